@@ -1,0 +1,38 @@
+# The README's two commands are the contract: `make serve` and `make test`, both from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.v4flash-installed
+TRITON_STAMP := .triton/.ready
+
+.PHONY: test test-fast serve venv triton golden clean
+
+# Python environment: CPU torch 2.13.0 (pip takes the local file where the machine has it), the
+# package in editable mode, test tools.
+$(STAMP): pyproject.toml requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e . -r requirements-test.txt
+	touch $@
+
+venv: $(STAMP)
+
+# tritonserver 2.51 (nvidia-pytriton wheel), tritonclient + perf_analyzer, libb64-0d, backend dir.
+$(TRITON_STAMP): $(STAMP) scripts/setup_triton.sh
+	bash scripts/setup_triton.sh
+	mkdir -p .triton && touch $@
+
+triton: $(TRITON_STAMP)
+
+test: $(STAMP) $(TRITON_STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+golden: $(STAMP)
+	$(PY) -m v4flash_backend golden-check ../shared/golden/v41-tiny
+
+clean:
+	rm -rf $(VENV) .triton .pytest_cache

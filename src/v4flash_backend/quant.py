@@ -1,0 +1,174 @@
+"""Number formats of V4.1: e4m3fn, e2m1 (MXFP4), ue8m0, and the model's fake-quant points.
+
+Everything here reproduces the official reference's rounding bit for bit:
+- power-of-two scales are computed from the fp32 bits of `amax * float32(1/max)` (exponent plus one
+  when the mantissa is non-zero), i.e. 2^ceil(log2(.)) without a float log;
+- e4m3fn casts are round-to-nearest-even and saturate at +-448 (torch alone would give NaN);
+- e2m1 rounding is to the nearest grid value with ties to the even code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+# value of each 4-bit code: bit 3 is the sign
+E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
+# midpoints between consecutive magnitudes; at an exact midpoint RNE goes to the even code,
+# which is the upper one for midpoints 0.75, 1.75 and 3.5
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+# ---- scalar formats ---------------------------------------------------------------------
+def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax * max_inv)) in fp32, from the IEEE bits (as the reference kernel does)."""
+    x = (amax.float() * max_inv).contiguous()
+    bits = x.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    e = exp + (mantissa != 0).to(torch.int32)
+    return (e << 23).view(torch.float32)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn with RNE and saturation at +-448."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu (or its raw uint8 bytes) -> fp32 power of two 2^(byte - 127)."""
+    b = s.view(torch.uint8).to(torch.int32)
+    return (b << 23).view(torch.float32)
+
+
+def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
+    """Exact powers of two (fp32) -> float8_e8m0fnu."""
+    bits = p.float().contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values already in [-6, 6] -> 4-bit codes (uint8), round to nearest, ties to even code."""
+    mag = x.abs().unsqueeze(-1)
+    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
+    return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    return E2M1_TABLE[e2m1_codes(x).long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] -> int8 bytes [..., K/2]; element 2j in the low nibble."""
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous().view(torch.int8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """int8 (or float4_e2m1fn_x2 / uint8) bytes [..., K/2] -> fp32 values [..., K]."""
+    b = packed.contiguous().view(torch.uint8)
+    vals = torch.stack([E2M1_TABLE[(b & 0x0F).long()], E2M1_TABLE[(b >> 4).long()]], dim=-1)
+    return vals.flatten(-2)
+
+
+# ---- activation fake-quant points -------------------------------------------------------
+def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-`block` fp8 quantization of a bf16 activation: (e4m3fn codes, fp32 pow2 scales)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"fp8 activation quant expects bf16 input, got {x.dtype}")
+    xg = x.float().unflatten(-1, (-1, block))
+    amax = xg.abs().amax(-1).clamp_min(1e-4)
+    s = pow2_scale(amax, FP8_MAX_INV)
+    q = to_e4m3(xg / s.unsqueeze(-1))
+    return q.flatten(-2), s
+
+
+def fp8_act_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp8 quantize-dequantize round trip (window KV, DSpark KV, linear inputs); bf16 out."""
+    q, s = fp8_act_quant(x, block)
+    y = q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)
+    return y.flatten(-2).to(x.dtype)
+
+
+def fp8_act_dequant_f32(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The fp32 values a quantized GEMM actually multiplies (exactly representable products)."""
+    q, s = fp8_act_quant(x, block)
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+
+
+def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
+    """fp4 (e2m1) quantize-dequantize of a bf16 tensor per `block` elements.
+
+    scale_fmt 'ue8m0': scale 2^ceil(log2(max(amax, 6*2^-126)/6)) (indexer q/k, block 32).
+    scale_fmt 'e4m3': scale = e4m3(max(amax, 6*2^-9)/6) (compressed KV, block 16).
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"fp4 quant expects bf16 input, got {x.dtype}")
+    xg = x.float().unflatten(-1, (-1, block))
+    amax = xg.abs().amax(-1)
+    if scale_fmt == "e4m3":
+        s = to_e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX).float()
+    elif scale_fmt == "ue8m0":
+        s = pow2_scale(amax.clamp_min(6 * 2.0**-126), FP4_MAX_INV)
+    else:
+        raise ValueError(f"unknown fp4 scale format {scale_fmt!r}")
+    v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return (e2m1_round(v) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+# ---- weight formats ---------------------------------------------------------------------
+def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """e4m3fn [N, K] with e8m0 scales [ceil(N/b), ceil(K/b)] -> fp32 [N, K]."""
+    n, k = w.shape
+    s = e8m0_to_float(scale)
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return w.float() * s
+
+
+def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """MXFP4 int8 [N, K/2] with e8m0 scales [N, K/32] -> fp32 [N, K]."""
+    v = unpack_fp4(w)
+    return v * e8m0_to_float(scale).repeat_interleave(block, -1)
+
+
+def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32/bf16 [N, K] -> (e4m3fn [N, K], e8m0 [ceil(N/b), ceil(K/b)]), pow2 scale per tile."""
+    n, k = w.shape
+    pn, pk = -n % block, -k % block
+    wp = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    tiles = wp.view((n + pn) // block, block, (k + pk) // block, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    s = pow2_scale(amax, FP8_MAX_INV)
+    q = to_e4m3(tiles / s[:, None, :, None]).float().view(n + pn, k + pk)[:n, :k]
+    return q.to(torch.float8_e4m3fn), float_to_e8m0(s)
+
+
+def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32/bf16 [N, K] -> (int8 packed [N, K/2], e8m0 [N, K/32]) MXFP4 with RNE."""
+    n, k = w.shape
+    wg = w.float().view(n, k // block, block)
+    amax = wg.abs().amax(-1).clamp_min(6 * 2.0**-126)
+    s = pow2_scale(amax, FP4_MAX_INV)
+    v = (wg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return pack_fp4(e2m1_codes(v).view(n, k)), float_to_e8m0(s)
+
+
+def quantize_fp8_rows(t: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Engram tables: e4m3fn [R, C] with one e8m0 scale per `block` columns of each row."""
+    r, c = t.shape
+    g = t.float().view(r, c // block, block)
+    s = pow2_scale(g.abs().amax(-1).clamp_min(1e-30), FP8_MAX_INV)
+    q = to_e4m3(g / s.unsqueeze(-1)).view(r, c)
+    return q, float_to_e8m0(s)
+
+
+def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Inverse of quantize_fp8_rows, fp32 out (the reference rounds this to bf16 on lookup)."""
+    v = q.float().unflatten(-1, (-1, block)) * e8m0_to_float(scale).unsqueeze(-1)
+    return v.flatten(-2)

@@ -1,0 +1,37 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO.parent / "shared" / "golden" / "v41-tiny"
+
+# Many small tensor ops: on a 2-core CI machine one intra-op thread is both faster and deterministic.
+torch.set_num_threads(int(os.environ.get("V4FLASH_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not (GOLDEN / "config.json").exists():
+        pytest.fail(f"golden fixture missing at {GOLDEN} (CI lays shared/ beside the clone)")
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def tiny_model(golden_dir):
+    from v4flash_backend import ops
+    from v4flash_backend.loading import load_model
+
+    ops.set_numerics("exact")
+    return load_model(golden_dir)
+
+
+@pytest.fixture(autouse=True)
+def _restore_ops():
+    from v4flash_backend import ops
+
+    backend, numerics = ops.get_backend(), ops.get_numerics()
+    yield
+    ops.set_backend(backend)
+    ops.set_numerics(numerics)
