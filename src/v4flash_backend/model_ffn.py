@@ -1,0 +1,87 @@
+"""V4.1 feed-forward parts: the MoE (sqrt-softplus router, top-k, shared expert, clamped SwiGLU)
+and the Engram n-gram memory added to the stream before its layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ops, quant
+from .config import ModelConfig
+from .weights import linear
+
+
+def route(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor, topk: int):
+    """(weights [T, k] f32, expert ids [T, k]); the bias only steers selection."""
+    # scores are fp32 as in the reference; 'exact' numerics evaluate the transcendentals in fp64
+    scores = ops.linear_f32(x, W[p + ".gate.weight"]).to(_score_dtype()) / cfg.gate_temp
+    if cfg.score_func == "softmax":
+        scores = scores.softmax(dim=-1)
+    elif cfg.score_func == "sigmoid":
+        scores = scores.sigmoid()
+    else:
+        scores = F.softplus(scores).sqrt()
+    ids = (scores.float() + W[p + ".gate.bias"]).topk(topk, dim=-1)[1]
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob and topk > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # 1e-20, not norm_eps: matches training
+    return (w * cfg.route_scale).float(), ids
+
+
+def _score_dtype():
+    return torch.float64 if ops.get_numerics() == "exact" else torch.float32
+
+
+def expert(W: dict, p: str, x: torch.Tensor, w: torch.Tensor | None, limit: float) -> torch.Tensor:
+    """One SwiGLU expert; the routing weight multiplies before w2, as in training."""
+    g = linear(W, p + ".w1", x)
+    u = linear(W, p + ".w3", x)
+    return linear(W, p + ".w2", ops.swiglu(g, u, w, limit))
+
+
+def local_experts(W: dict, p: str) -> list[int]:
+    """Expert ids whose weights this rank holds (all of them at W = 1)."""
+    meta = W.meta.setdefault("experts", {})
+    if p not in meta:
+        pre = p + ".experts."
+        meta[p] = sorted({int(k[len(pre):].split(".")[0]) for k in W if k.startswith(pre)})
+    return meta[p]
+
+
+def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tensor, comm,
+        capture: dict | None = None) -> torch.Tensor:
+    """Routed experts summed in fp32 in expert-id order (each output rounded to bf16), then the
+    world reduction, then the shared expert; one final rounding."""
+    p = layer_prefix + ".ffn"
+    weights, ids = route(W, cfg, p, x, n_act)
+    if capture is not None:
+        capture["gate_indices"], capture["gate_weights"] = ids, weights
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    present = set(torch.unique(ids).tolist())
+    for e in local_experts(W, p):
+        if e not in present:
+            continue
+        rows, slot = torch.where(ids == e)
+        y[rows] += expert(W, f"{p}.experts.{e}", x[rows], weights[rows, slot, None], cfg.swiglu_limit)
+    y = comm.moe_out(y)
+    y += expert(W, p + ".shared_experts", x, None, cfg.swiglu_limit)
+    return y.to(x.dtype)
+
+
+def engram(W: dict, cfg: ModelConfig, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, comm) -> torch.Tensor:
+    """h [T, hc, D] bf16; hash_ids [T, n_cols] table rows of this layer. Rows are dequantized
+    (fp8 x per-32 scale) to bf16, flattened in column order, projected to hc keys + one value."""
+    p = f"layers.{layer}.engram"
+    table, scale = W[p + ".embed.weight"], W[p + ".embed.scale"]
+    start = W.meta.get("engram_row_start", {}).get(layer, 0)
+    local = hash_ids - start
+    miss = (local < 0) | (local >= table.shape[0])
+    local = local.masked_fill(miss, 0)
+    rows = quant.dequant_fp8_rows(table[local], scale[local]).to(torch.bfloat16)
+    rows = comm.engram_rows(rows.masked_fill(miss.unsqueeze(-1), 0))
+    kv = linear(W, p + ".wkv", rows.flatten(-2))
+    hc, D = cfg.hc_mult, cfg.dim
+    key = kv[..., : hc * D].unflatten(-1, (hc, D))
+    value = kv[..., hc * D:]
+    qk = W[p + ".q_weight"].float() * W[p + ".k_weight"].float()
+    return ops.engram_gate(h, key, value, qk, cfg.norm_eps)

@@ -1,0 +1,234 @@
+"""The 'torch' ops backend: the CPU reference every kernel is checked against.
+
+Each function reproduces the rounding points of the official V4.1 reference (see the golden
+README section 6.1): fp32 math inside, one rounding to the output dtype where the reference has one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops as _ops
+from .. import quant
+
+
+def _exact() -> bool:
+    return _ops.get_numerics() == "exact"
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [.., K] @ w[N, K].T: fp64 accumulation in 'exact' numerics (fp32 / bf16 operands multiply
+    exactly in fp64), else the framework's fp32 GEMM."""
+    if _exact():
+        return (x.double() @ w.double().T)
+    return x.float() @ w.float().T
+
+_SPARSE_BLOCK = 64  # the reference kernel's online-softmax block; p is rounded per block max
+
+
+# ---- linear layers --------------------------------------------------------------------------
+class _DequantCache:
+    """Dequantized fp32 copies of quantized weights, keyed by tensor identity.
+
+    The fp8 x fp8 and fp4 x fp8 block products are exact in fp32, so one fp32 matmul of the
+    dequantized operands equals the reference's block-scaled GEMM (measured bit-identical on the
+    golden fixture); caching the fp32 weight keeps CPU decoding fast.
+    """
+
+    def __init__(self):
+        self._d: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, w: torch.Tensor, make):
+        hit = self._d.get(id(w))
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        val = make()
+        if len(self._d) > 100_000:
+            self._d.clear()
+        self._d[id(w)] = (w, val)
+        return val
+
+
+_cache = _DequantCache()
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    wf = _cache.get(weight, lambda: quant.dequant_fp8_weight(weight, scale))
+    return _mm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+
+
+def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    wf = _cache.get(weight, lambda: quant.dequant_fp4_weight(weight, scale))
+    return _mm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 GEMM, fp32 accumulation, one rounding. A 3-D weight [G, N, K] is a block-diagonal
+    (grouped) projection: x [..., G, K] -> [..., G, N] (the attention's wo_a)."""
+    if weight.dim() == 3:
+        if _exact():
+            return torch.einsum("...gd,grd->...gr", x.double(), weight.double()).to(torch.bfloat16)
+        return torch.einsum("...gd,grd->...gr", x.to(torch.bfloat16), weight.to(torch.bfloat16))
+    if _exact():
+        return _mm(x, weight).to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if _exact():
+        return _mm(x, weight).float()
+    return F.linear(x.float(), weight.float())
+
+
+# ---- norms and elementwise ----------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _exact():
+        xd = x.double()
+        return (weight.double() * (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+    xf = x.float()
+    var = xf.square().mean(-1, keepdim=True)
+    return (weight * (xf * torch.rsqrt(var + eps))).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None, limit: float) -> torch.Tensor:
+    g, u = (gate.double(), up.double()) if _exact() else (gate.float(), up.float())
+    if limit > 0:
+        u = torch.clamp(u, min=-limit, max=limit)
+        g = torch.clamp(g, max=limit)
+    y = F.silu(g) * u
+    if weight is not None:
+        y = weight.to(y.dtype) * y
+    return y.to(torch.bfloat16)
+
+
+# ---- attention ----------------------------------------------------------------------------
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Single-KV-head attention over gathered slots with a learned sink in the denominator.
+
+    q [b,m,h,d] bf16, kv [b,n,d] bf16, sink [h] f32, idxs [b,m,k] int32 (-1 = empty).
+    Online softmax over blocks of 64 slots in idxs order; p rounded to bf16 before P.V.
+    """
+    if _exact():
+        return _sparse_attn_exact(q, kv, sink, idxs, scale)
+    b, m, h, d = q.shape
+    k = idxs.shape[-1]
+    sc = torch.tensor(scale, dtype=torch.float32)
+    qf, kvf = q.float(), kv.float()
+    acc = torch.zeros(b, m, h, d, dtype=torch.float32)
+    denom = torch.zeros(b, m, h, dtype=torch.float32)
+    run_max = torch.full((b, m, h), -1e30, dtype=torch.float32)  # finite: empty rows give 0, not NaN
+    bidx = torch.arange(b).view(b, 1, 1)
+    for t in range(0, k, _SPARSE_BLOCK):
+        ix = idxs[:, :, t:t + _SPARSE_BLOCK].long()
+        valid = ix >= 0
+        blk = kvf[bidx, ix.clamp_min(0)] * valid.unsqueeze(-1)
+        s = torch.einsum("bmhd,bmkd->bmhk", qf, blk)
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * sc
+        prev = run_max
+        run_max = torch.maximum(prev, s.amax(-1))
+        corr = torch.exp(prev - run_max)
+        p = torch.exp(s - run_max.unsqueeze(-1))
+        denom = denom * corr + p.sum(-1)
+        pb = p.to(torch.bfloat16).float()
+        acc = acc * corr.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", pb, blk)
+    denom = denom + torch.exp(sink.float() - run_max)
+    return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def _sparse_attn_exact(q, kv, sink, idxs, scale):
+    """fp64 throughout over the whole slot set at once (one max per row), so the result depends
+    neither on slot order nor on -1 padding; p is still rounded to bf16 before P.V."""
+    b, m, h, d = q.shape
+    ix = idxs.long()
+    valid = ix >= 0
+    bidx = torch.arange(b).view(b, 1, 1)
+    blk = kv[bidx, ix.clamp_min(0)].double() * valid.unsqueeze(-1)
+    s = torch.einsum("bmhd,bmkd->bmhk", q.double(), blk) * float(torch.tensor(scale, dtype=torch.float32))
+    s = torch.where(valid.unsqueeze(2), s, -torch.inf)
+    mx = torch.full((b, m, h), -1e30, dtype=torch.float64)
+    if s.shape[-1]:
+        mx = torch.maximum(mx, s.amax(-1))
+    p = torch.exp(s - mx.unsqueeze(-1))
+    denom = p.sum(-1) + torch.exp(sink.double() - mx)
+    o = torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).double(), blk)
+    return (o / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_h w[b,s,h] * relu(q[b,s,h] . k[b,t]) with the reference's bf16 roundings -> [b,s,t]."""
+    if _exact():
+        dots = torch.einsum("bshd,btd->bsht", q.double(), k.double()).to(torch.bfloat16)
+        prod = (dots.relu_() * w.unsqueeze(-1)).double()  # the bf16 product is one rounding of an exact value
+        return prod.sum(dim=2).to(torch.bfloat16)
+    dots = torch.einsum("bshd,btd->bsht", q, k)
+    return (dots.relu_() * w.unsqueeze(-1)).sum(dim=2)
+
+
+def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """Compressor pooling: kv, score f32 [..., r, d] -> sum_r kv * softmax_r(score), f32 [..., d]."""
+    if _exact():
+        return (kv.double() * score.double().softmax(dim=-2)).sum(dim=-2).float()
+    return (kv * score.softmax(dim=-2)).sum(dim=-2)
+
+
+# ---- hyper-connections --------------------------------------------------------------------
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+             iters: int, hc_eps: float, norm_eps: float):
+    """pre / post / Sinkhorn-normalized comb coefficients from the flattened stream (all fp32)."""
+    if _exact():
+        xd = x.flatten(-2).double()
+        m = (xd @ fn.double().T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + norm_eps)
+        pre, post, c = _split_sinkhorn(m, scale.double(), base.double(), hc, iters, hc_eps)
+        return pre.float(), post.float(), c.float()
+    xf = x.flatten(-2).float()
+    rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    m = F.linear(xf, fn.float()) * rs
+    return _split_sinkhorn(m, scale.float(), base.float(), hc, iters, hc_eps)
+
+
+def _split_sinkhorn(m, scale, base, hc, iters, hc_eps):
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    c = torch.exp(c - c.amax(-1, keepdim=True))
+    c = c / c.sum(-1, keepdim=True) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, c
+
+
+def hc_expand(x: torch.Tensor, hc: int) -> torch.Tensor:
+    return x.unsqueeze(-2).repeat(*([1] * (x.dim() - 1)), hc, 1)
+
+
+def hc_collapse(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    if _exact():
+        return torch.sum(mix.double().unsqueeze(-1) * x.double(), dim=-2).to(x.dtype)
+    return torch.sum(mix.unsqueeze(-1) * x.float(), dim=-2).to(x.dtype)
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    if _exact():
+        f64, r64 = f.double(), residual.double()
+        y = post.double().unsqueeze(-1) * f64.unsqueeze(-2) + torch.sum(
+            comb.double().unsqueeze(-1) * r64.unsqueeze(-2), dim=-3)
+        return y.to(f.dtype)
+    y = post.unsqueeze(-1) * f.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=-3)
+    return y.to(f.dtype)
+
+
+# ---- engram -------------------------------------------------------------------------------
+def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk_weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """h + sigmoid(signed-sqrt(normalized <h, w*key>)) * value, per (token, stream)."""
+    dt = torch.float64 if _exact() else torch.float32
+    hf, kf, qk_weight, value = h.to(dt), key.to(dt), qk_weight.to(dt), value.to(dt)
+    d = h.shape[-1]
+    rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(kf.square().mean(-1) + eps)
+    dot = (hf * qk_weight * kf).sum(-1) * rstd * d ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (hf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(h.dtype)

@@ -1,0 +1,81 @@
+"""golden-check against the official reference's outputs, plus negative controls proving that the
+per-layer replay catches real bugs (the README's injected-bug table)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from v4flash_backend import golden, ops
+from v4flash_backend.ops import torch_ops
+
+FINAL = re.compile(r"^golden: cases=(\d+) steps=(\d+) layers_ok=(\d+)/(\d+) max_layer_err=\S+ "
+                   r"min_logit_cosine=(\S+) top1_agree=(\d+)/(\d+)$")
+
+
+def test_golden_check_cli_passes(golden_dir, repo_root=None):
+    r = subprocess.run([sys.executable, "-m", "v4flash_backend", "golden-check", str(golden_dir)],
+                       capture_output=True, text=True, timeout=900)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = FINAL.match(lines[-1])
+    assert m, lines[-1]
+    cases, steps, ok, total = map(int, m.groups()[:4])
+    assert cases == 4 and steps == 48 and ok == total == 10
+
+
+@pytest.fixture(scope="module")
+def fx_model(golden_dir):
+    fx = golden.GoldenFixture(golden_dir)
+    ops.set_numerics("reference")
+    return fx, golden.build_model(fx)
+
+
+def _replay(fx, m):
+    ops.set_numerics("reference")
+    rep = golden.Report()
+    golden.replay_layers(fx, m, rep, "case0")
+    return rep
+
+
+def test_replay_is_exact_on_the_reference(fx_model):
+    fx, m = fx_model
+    rep = _replay(fx, m)
+    assert not rep.failures and rep.layers_ok == 10 and rep.max_layer_err == 0.0
+
+
+def test_replay_catches_dropped_sink(fx_model, monkeypatch):
+    fx, m = fx_model
+    real = torch_ops.sparse_attn
+    monkeypatch.setattr(torch_ops, "sparse_attn",
+                        lambda q, kv, sink, idx, sc: real(q, kv, torch.full_like(sink, -torch.inf), idx, sc))
+    assert _replay(fx, m).layers_ok < 10
+
+
+def test_replay_catches_wrong_norm_eps(fx_model, monkeypatch):
+    fx, m = fx_model
+    monkeypatch.setattr(m.cfg, "norm_eps", 1e-6)
+    assert _replay(fx, m).layers_ok < 10
+
+
+def test_replay_catches_missing_route_scale(fx_model, monkeypatch):
+    fx, m = fx_model
+    monkeypatch.setattr(m.cfg, "route_scale", 1.0)
+    assert _replay(fx, m).layers_ok < 10
+
+
+def test_replay_catches_skipped_index_fp4(fx_model, monkeypatch):
+    fx, m = fx_model
+    from v4flash_backend import model_attention, quant
+
+    real = quant.fp4_qdq
+    monkeypatch.setattr(model_attention.quant, "fp4_qdq",
+                        lambda x, block, fmt: x if fmt == "ue8m0" else real(x, block, fmt))
+    assert _replay(fx, m).layers_ok < 10
+
+
+def test_exact_numerics_pass_the_loose_level(golden_dir):
+    ok, final, rep = golden.golden_check(golden_dir, numerics="exact")
+    assert ok, rep.failures
