@@ -1,0 +1,219 @@
+"""DSpark draft admission (paper Algorithm 1) and the SPS table it trades against.
+
+Each round the draft proposes gamma tokens per request with calibrated confidences c[r, j]
+(c_j = P(x_j accepted | x_<j accepted), computed from x_{j-1}, never from x_j). `admit` decides
+how many drafts ell_r each request sends to the next verify forward, maximising expected
+committed tokens per second tau * SPS(B) over the whole batch, where B = sum(1 + ell_r).
+
+Losslessness hinges on the EARLY STOP: the greedy walk over entries sorted by survival stops at
+the first entry that does not improve tau * SPS(B). Whether (r, j) is admitted then depends only
+on entries with survival >= a[r, j], i.e. on x_<j of row r and on other rows, never on x_j
+itself (paper App. A). `admit_no_early_stop` (global argmax over prefixes) breaks this and exists
+only as a negative control for the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+
+SPSLike = Union["SPSTable", Callable[[torch.Tensor], torch.Tensor]]
+
+
+# --------------------------------------------------------------------------- SPS table
+
+
+def _pav_non_increasing(values: Sequence[float], weights: Sequence[float]) -> list:
+    """Weighted least-squares fit that is non-increasing (pool adjacent violators)."""
+    blocks = []  # [weighted mean, total weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([float(v), float(w), 1])
+        # a later block above an earlier one violates "non-increasing": pool them
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out = []
+    for m, _, n in blocks:
+        out.extend([m] * n)
+    return out
+
+
+class SPSTable:
+    """Target-forward steps per second as a function of B, the number of tokens in the forward.
+
+    Built from measured samples, smoothed to be monotone non-increasing in B (a larger forward is
+    never faster; measurement noise must not make the scheduler chase a bump). Lookup is by floor
+    bucket: SPS(B) = value at the largest profiled size <= B. Below the smallest profiled size the
+    smallest size's value is used; above the largest, tokens/s is held constant
+    (SPS(B) = SPS(Bmax) * Bmax / B), the compute-bound limit, which is never more optimistic than
+    the floor value.
+    """
+
+    FORMAT = "v4flash-sps-table"
+
+    def __init__(self, sizes: Sequence[int], sps: Sequence[float], *,
+                 weights: Optional[Sequence[float]] = None, smooth: bool = True):
+        pairs = sorted(zip((int(b) for b in sizes), (float(s) for s in sps),
+                           weights if weights is not None else [1.0] * len(sizes)))
+        if not pairs:
+            raise ValueError("SPSTable needs at least one (size, sps) sample")
+        b = [p[0] for p in pairs]
+        if len(set(b)) != len(b):
+            raise ValueError("duplicate sizes: use SPSTable.from_samples to aggregate repeats")
+        if b[0] < 1 or any(not (p[1] > 0 and math.isfinite(p[1])) for p in pairs):
+            raise ValueError("sizes must be >= 1 and sps finite and > 0")
+        self.sizes: Tuple[int, ...] = tuple(b)
+        self.raw_sps: Tuple[float, ...] = tuple(p[1] for p in pairs)
+        self.weights: Tuple[float, ...] = tuple(float(p[2]) for p in pairs)
+        self.sps: Tuple[float, ...] = (tuple(_pav_non_increasing(self.raw_sps, self.weights))
+                                       if smooth else self.raw_sps)
+        self._sizes_t = torch.tensor(self.sizes, dtype=torch.int64)
+        self._sps_t = torch.tensor(self.sps, dtype=torch.float64)
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[Tuple[int, float]], smooth: bool = True) -> "SPSTable":
+        """Repeated measurements of one size are aggregated by their median (robust to a stray
+        slow run) and weigh in the smoothing by their count."""
+        by_size: dict = {}
+        for b, s in samples:
+            by_size.setdefault(int(b), []).append(float(s))
+        sizes = sorted(by_size)
+        return cls(sizes, [statistics.median(by_size[b]) for b in sizes],
+                   weights=[len(by_size[b]) for b in sizes], smooth=smooth)
+
+    def lookup(self, B: Union[int, torch.Tensor]) -> Union[float, torch.Tensor]:
+        """SPS for B tokens (int -> float, int tensor -> float64 tensor of the same shape)."""
+        scalar = not isinstance(B, torch.Tensor)
+        bt = torch.as_tensor(B, dtype=torch.int64)
+        idx = (torch.searchsorted(self._sizes_t, bt.reshape(-1), right=True) - 1).clamp(min=0)
+        out = self._sps_t[idx]
+        bmax = self.sizes[-1]
+        flat_b = bt.reshape(-1).to(torch.float64)
+        out = torch.where(flat_b > bmax, self.sps[-1] * bmax / flat_b, out).reshape(bt.shape)
+        return float(out) if scalar else out
+
+    __call__ = lookup
+
+    def to_dict(self) -> dict:
+        return {"format": self.FORMAT, "version": 1, "sizes": list(self.sizes),
+                "sps": list(self.sps), "raw_sps": list(self.raw_sps), "weights": list(self.weights)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SPSTable":
+        if d.get("format") != cls.FORMAT:
+            raise ValueError(f"not an SPS table (format={d.get('format')!r})")
+        t = cls(d["sizes"], d["sps"], weights=d.get("weights"), smooth=False)
+        if "raw_sps" in d:
+            t.raw_sps = tuple(float(s) for s in d["raw_sps"])
+        return t
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "SPSTable":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def profile(cls, fn: Callable[[int], object], sizes: Sequence[int], repeats: int = 5,
+                warmup: int = 1, clock: Callable[[], float] = time.perf_counter) -> "SPSTable":
+        """Time fn(B) (one target forward of B tokens; it must block until the work is done, e.g.
+        synchronise the device) for every size; SPS = 1 / seconds per call. `warmup` untimed calls
+        per size absorb compilation and cache effects."""
+        if repeats < 1:
+            raise ValueError("repeats must be >= 1")
+        samples = []
+        for b in sizes:
+            for _ in range(warmup):
+                fn(int(b))
+            for _ in range(repeats):
+                t0 = clock()
+                fn(int(b))
+                dt = clock() - t0
+                samples.append((int(b), 1.0 / max(dt, 1e-12)))
+        return cls.from_samples(samples)
+
+    def __repr__(self) -> str:
+        return f"SPSTable(sizes={list(self.sizes)}, sps={[round(s, 4) for s in self.sps]})"
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def _sps_values(sps: SPSLike, b: torch.Tensor) -> torch.Tensor:
+    if isinstance(sps, SPSTable):
+        return sps.lookup(b)
+    return torch.as_tensor(sps(b), dtype=torch.float64)
+
+
+def _admit(c: torch.Tensor, sps: SPSLike, early_stop: bool, extra_tokens: int = 0) -> torch.Tensor:
+    c = torch.as_tensor(c)
+    if c.dim() < 2:
+        raise ValueError("c must be [R, gamma] (or [..., R, gamma] for independent batches)")
+    device = c.device
+    # fp64 on the host: R * gamma entries are few, and exact ties must compare exactly.
+    c64 = c.detach().to("cpu", torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    *lead, R, G = c64.shape
+    M = R * G
+    if M == 0:
+        return torch.zeros(*lead, R, dtype=torch.int64, device=device)
+    a = torch.cumprod(c64, dim=-1)  # survival of each draft prefix, non-increasing in j
+    # Flatten entries j-major (e = j * R + r); a stable sort on -a then breaks ties by (j, r), so
+    # (r, j) always precedes (r, j + 1) and every admitted set is a per-row prefix.
+    a_e = a.transpose(-1, -2).reshape(*lead, M)
+    a_sorted, order = torch.sort(-a_e, dim=-1, stable=True)
+    a_sorted = -a_sorted
+    valid = a_sorted > 0  # Alg. 1 only walks entries with a > 0; those sort first
+    B0 = R + int(extra_tokens)  # tokens in the forward before any draft: anchors + other work
+    sps_b = _sps_values(sps, torch.arange(B0, B0 + M + 1, dtype=torch.int64))  # B = B0 .. B0 + M
+    tau = R + torch.cumsum(a_sorted, dim=-1)
+    val = tau * sps_b[1:]  # value after admitting k = 1..M entries
+    base = torch.full((*lead, 1), R * float(sps_b[0]), dtype=torch.float64)
+    if early_stop:
+        prev = torch.cat([base, val[..., :-1]], dim=-1)
+        ok = (val > prev) & valid
+        n_adm = torch.cumprod(ok.to(torch.int64), dim=-1).sum(-1)
+    else:
+        # global argmax over prefix lengths (first maximum = strict improvement semantics)
+        all_vals = torch.cat([base, val.masked_fill(~valid, float("-inf"))], dim=-1)
+        n_adm = all_vals.argmax(-1)
+    rank = torch.arange(M).expand(*lead, M)
+    admitted_sorted = rank < n_adm.unsqueeze(-1)
+    admitted = torch.zeros(*lead, M, dtype=torch.bool).scatter_(-1, order, admitted_sorted)
+    ell = admitted.reshape(*lead, G, R).sum(-2)
+    return ell.to(device)
+
+
+def admit(c: torch.Tensor, sps: SPSLike, extra_tokens: int = 0) -> torch.Tensor:
+    """Paper Algorithm 1 with the early stop. c [R, gamma] calibrated confidences in [0, 1]
+    (values outside are clamped, NaN counts as 0); sps an SPSTable or a callable
+    B (int64 tensor) -> steps/s. Returns ell [R] int64: row r verifies 1 + ell[r] tokens.
+
+    extra_tokens: tokens that share the verify forward but commit nothing this step (e.g. a
+    prefill chunk); B then starts at R + extra_tokens while tau starts at R.
+    A leading batch shape [..., R, gamma] runs independent admissions (used by tests)."""
+    return _admit(c, sps, early_stop=True, extra_tokens=extra_tokens)
+
+
+def admit_no_early_stop(c: torch.Tensor, sps: SPSLike, extra_tokens: int = 0) -> torch.Tensor:
+    """NEGATIVE CONTROL, not lossless: the global argmax of tau * SPS(B) over all prefixes of
+    the survival order. A later draft's survival (which depends on the earlier sampled draft)
+    then decides whether that earlier draft is verified (paper App. A)."""
+    return _admit(c, sps, early_stop=False, extra_tokens=extra_tokens)
+
+
+def admit_fixed(R: int, n: int, gamma: Optional[int] = None, device=None) -> torch.Tensor:
+    """Fixed-length speculation: every row admits n drafts (clamped to gamma when given)."""
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    if gamma is not None:
+        n = min(n, gamma)
+    return torch.full((R,), n, dtype=torch.int64, device=device)
