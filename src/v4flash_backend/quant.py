@@ -78,11 +78,15 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ---- activation fake-quant points -------------------------------------------------------
+def _ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Straight-through estimator: the value of y, the gradient of x (used when training)."""
+    return x + (y - x).detach()
+
+
 def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-`block` fp8 quantization of a bf16 activation: (e4m3fn codes, fp32 pow2 scales)."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"fp8 activation quant expects bf16 input, got {x.dtype}")
-    xg = x.float().unflatten(-1, (-1, block))
+    """Per-`block` fp8 quantization of an activation (bf16 at inference, as the reference's kernel
+    requires; fp32 when training): (e4m3fn codes, fp32 pow2 scales)."""
+    xg = x.detach().float().unflatten(-1, (-1, block))
     amax = xg.abs().amax(-1).clamp_min(1e-4)
     s = pow2_scale(amax, FP8_MAX_INV)
     q = to_e4m3(xg / s.unsqueeze(-1))
@@ -92,14 +96,15 @@ def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch
 def fp8_act_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """fp8 quantize-dequantize round trip (window KV, DSpark KV, linear inputs); bf16 out."""
     q, s = fp8_act_quant(x, block)
-    y = q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)
-    return y.flatten(-2).to(x.dtype)
+    y = (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return _ste(x, y) if x.requires_grad else y
 
 
 def fp8_act_dequant_f32(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """The fp32 values a quantized GEMM actually multiplies (exactly representable products)."""
     q, s = fp8_act_quant(x, block)
-    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+    y = (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+    return _ste(x.float(), y) if x.requires_grad else y
 
 
 def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
@@ -108,9 +113,7 @@ def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     scale_fmt 'ue8m0': scale 2^ceil(log2(max(amax, 6*2^-126)/6)) (indexer q/k, block 32).
     scale_fmt 'e4m3': scale = e4m3(max(amax, 6*2^-9)/6) (compressed KV, block 16).
     """
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"fp4 quant expects bf16 input, got {x.dtype}")
-    xg = x.float().unflatten(-1, (-1, block))
+    xg = x.detach().float().unflatten(-1, (-1, block))
     amax = xg.abs().amax(-1)
     if scale_fmt == "e4m3":
         s = to_e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX).float()
@@ -119,7 +122,20 @@ def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     else:
         raise ValueError(f"unknown fp4 scale format {scale_fmt!r}")
     v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
-    return (e2m1_round(v) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    y = (e2m1_round(v) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return _ste(x, y) if x.requires_grad else y
+
+
+def fake_quant_fp8_weight(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Training: the fp32 value the exported fp8 32x32-block weight will have, with an STE."""
+    q, s = quantize_fp8_weight(w.detach(), block)
+    return _ste(w, dequant_fp8_weight(q, s, block))
+
+
+def fake_quant_fp4_weight(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Training: the fp32 value of the exported MXFP4 expert weight, with an STE."""
+    q, s = quantize_fp4_weight(w.detach(), block)
+    return _ste(w, dequant_fp4_weight(q, s, block))
 
 
 # ---- weight formats ---------------------------------------------------------------------

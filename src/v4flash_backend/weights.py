@@ -62,6 +62,8 @@ def linear(W: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
     from . import ops
 
     w = W[prefix + ".weight"]
+    if W.meta.get("train"):
+        return _train_linear(W, prefix, w, x)
     if w.dtype == torch.float8_e4m3fn:
         return ops.linear_fp8(x, w, W[prefix + ".scale"])
     if w.dtype == torch.int8:
@@ -69,3 +71,20 @@ def linear(W: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.float32:
         return ops.linear_f32(x, w)
     return ops.linear_bf16(x, w)
+
+
+def _train_linear(W: dict, prefix: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Training mode: W holds fp32 master weights; `W.meta["qtype"][prefix]` names the storage the
+    export will use ('fp8', 'fp4', 'bf16', 'f32'), and the forward sees exactly those values
+    (fake quantization with straight-through gradients, fp8 activations for fp8/fp4 weights)."""
+    import torch.nn.functional as F
+
+    qtype = W.meta.get("qtype", {}).get(prefix, "f32")
+    if qtype == "fp8":
+        return F.linear(quant.fp8_act_dequant_f32(x), quant.fake_quant_fp8_weight(w)).to(x.dtype)
+    if qtype == "fp4":
+        return F.linear(quant.fp8_act_dequant_f32(x), quant.fake_quant_fp4_weight(w)).to(x.dtype)
+    if qtype == "bf16":
+        wb = quant._ste(w, w.detach().to(torch.bfloat16).float())
+        return F.linear(x.float(), wb).to(x.dtype)
+    return F.linear(x.float(), w.float())

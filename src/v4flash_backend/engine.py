@@ -1,0 +1,418 @@
+"""Continuous-batching engine on rank 0: admission, segmented prefill, decode with DSpark
+speculation, slot management, stop conditions, cancellation and per-request streaming.
+
+One `step()` is one target forward over a flattened batch: prefill chunks of new requests and,
+for each decoding request, [pending token, admitted drafts]. Verification commits tokens
+(losslessly, dspark_accept), the DSpark rings receive the committed rows, the draft stages run on
+[bonus, noise...] and `admit` picks how many drafts each request verifies next step.
+Every request gets exactly one final event (finish_reason stop / length / cancelled, or an
+error), also after errors and cancellations; no slot outlives its request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import dspark_accept as acc
+from .dspark_sched import SPSTable, admit, admit_fixed
+from .sampling import SamplingParams, TorchSampler, make_generator
+
+CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `code` maps to the Triton status (INVALID_ARG / UNAVAILABLE)."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARG"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
+    prefill_chunk: int = 256  # tokens of one prompt per step (segmented prefill)
+    step_token_budget: int = 1024  # prefill tokens per step across requests
+    spec_mode: str = "dspark"  # dspark (confidence + admit) | fixed (admit up to fixed_len) | off
+    fixed_len: int = 5
+    sps_path: str | None = None  # load the SPS table from here if present, else profile and save
+    queue_timeout_s: float = 120.0  # a request waiting longer than this for a slot is failed
+
+
+@dataclass
+class Event:
+    request_id: str
+    token_ids: list[int]
+    context_ids: list[int]
+    finish_reason: str | None = None  # stop | length | cancelled (None while streaming)
+    error: str | None = None
+    error_code: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    callback: Callable[[Event], None] | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Seq:
+    req: Request
+    slot: int
+    tokens: list[int]  # prompt + committed output
+    n_cached: int = 0  # leading tokens whose rows are in the cache
+    n_out: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    gen: torch.Generator | None = None
+    draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
+    ell: int = 0  # drafts admitted for the next verify
+    first_token_time: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_cached < len(self.req.prompt)
+
+
+class Engine:
+    def __init__(self, runner, config: EngineConfig | None = None):
+        self.runner = runner
+        self.cfg = config or EngineConfig()
+        self.mcfg = runner.cfg
+        if self.cfg.spec_mode not in ("dspark", "fixed", "off"):
+            raise ValueError(f"spec_mode must be dspark, fixed or off, got {self.cfg.spec_mode!r}")
+        if self.cfg.spec_mode != "off" and runner.drafter is None:
+            self.cfg.spec_mode = "off"  # a checkpoint without DSpark stages
+        self.gamma = self.mcfg.dspark_block_size if self.spec else 0
+        self.free = list(range(self.cfg.max_num_seqs))
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Seq] = []
+        self.cancelled: set[str] = set()
+        self.lock = threading.Lock()
+        self.wakeup = threading.Condition(self.lock)
+        self.sps: SPSTable | None = None
+        self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
+                           accepted=0, steps=0, verify_rows=0)
+
+    @property
+    def spec(self) -> bool:
+        return self.cfg.spec_mode != "off"
+
+    # ---- public API (thread-safe) -----------------------------------------------------------
+    def validate(self, r: Request) -> None:
+        V = self.mcfg.vocab_size
+        if not r.prompt:
+            raise RequestError("empty prompt: give at least one token")
+        if len(r.prompt) >= self.cfg.max_model_len:
+            raise RequestError(f"prompt has {len(r.prompt)} tokens; max_model_len is {self.cfg.max_model_len} "
+                               "(prompt + at least one generated token must fit)")
+        bad = [t for t in r.prompt if not 0 <= int(t) < V]
+        if bad:
+            raise RequestError(f"token id {bad[0]} outside the vocabulary [0, {V})")
+        if r.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be > 0, got {r.max_tokens}")
+        if not r.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {r.temperature}")
+        if not 0 < r.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {r.top_p}")
+        if r.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {r.top_k}")
+        bad = [t for t in r.stop_token_ids if not 0 <= int(t) < V]
+        if bad:
+            raise RequestError(f"stop token id {bad[0]} outside the vocabulary [0, {V})")
+
+    def submit(self, r: Request) -> str:
+        self.validate(r)
+        with self.lock:
+            self.waiting.append(r)
+            self.totals["requests"] += 1
+            self.wakeup.notify()
+        return r.id
+
+    def cancel(self, request_id: str) -> None:
+        with self.lock:
+            self.cancelled.add(request_id)
+            self.wakeup.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.cancelled)
+
+    def stats(self) -> dict:
+        with self.lock:
+            d = dict(self.totals)
+            d.update(waiting=len(self.waiting), running=len(self.running),
+                     slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
+        d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
+        return d
+
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Serve until `stop` is set (the worker's engine thread)."""
+        while not stop.is_set():
+            with self.lock:
+                if not self.has_work():
+                    self.wakeup.wait(idle_wait)
+                    continue
+            self.step()
+
+    def generate(self, r: Request) -> list[Event]:
+        """Run one request to completion in this thread (CLI, tests)."""
+        events: list[Event] = []
+        cb = r.callback
+        r.callback = lambda e: (events.append(e), cb and cb(e))
+        self.submit(r)
+        while not (events and events[-1].final):
+            self.step()
+        return events
+
+    # ---- SPS table -----------------------------------------------------------------------------
+    def ensure_sps(self) -> SPSTable:
+        """Steps/s of a target forward of B tokens, profiled once on a scratch slot (or loaded)."""
+        if self.sps is not None:
+            return self.sps
+        import os
+
+        if self.cfg.sps_path and os.path.exists(self.cfg.sps_path):
+            self.sps = SPSTable.load(self.cfg.sps_path)
+            return self.sps
+        scratch = self.runner.state.num_slots - 1
+        top = self.cfg.max_num_seqs * (1 + self.gamma)
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, top} & set(range(1, top + 1)) | {top})
+
+        def fwd(b: int):
+            self.runner.reset_slot(scratch)
+            self.runner.forward(torch.zeros(b, dtype=torch.long), [(scratch, 0, b)], torch.tensor([b - 1]), True)
+
+        self.sps = SPSTable.profile(fwd, sizes, repeats=2)
+        self.runner.reset_slot(scratch)
+        if self.cfg.sps_path:
+            self.sps.save(self.cfg.sps_path)
+        return self.sps
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._handle_cancellations()
+        self._admit_waiting()
+        if not self.running:
+            return
+        try:
+            self._step_running()
+        except Exception as e:  # a failed forward fails the requests in flight, not the server
+            for s in list(self.running):
+                self._finish(s, error=f"engine step failed: {type(e).__name__}: {e}", code="UNAVAILABLE")
+            raise
+
+    def _handle_cancellations(self) -> None:
+        with self.lock:
+            ids, self.cancelled = self.cancelled, set()
+            gone = [r for r in self.waiting if r.id in ids]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._emit(r, Event(r.id, [], [], finish_reason="cancelled", num_prompt_tokens=len(r.prompt)))
+        for s in [s for s in self.running if s.req.id in ids]:
+            self._finish(s, reason="cancelled")
+
+    def _admit_waiting(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            new = []
+            while self.waiting and self.free:
+                r = self.waiting.popleft()
+                new.append(_Seq(r, self.free.pop(0), list(r.prompt)))
+            expired = [r for r in self.waiting if now - r.arrival > self.cfg.queue_timeout_s]
+            for r in expired:
+                self.waiting.remove(r)
+        for r in expired:
+            self._emit(r, Event(r.id, [], [], error=f"no free slot within {self.cfg.queue_timeout_s:.0f} s "
+                                                    f"(max_num_seqs={self.cfg.max_num_seqs})", error_code="UNAVAILABLE"))
+        for s in new:
+            self.runner.reset_slot(s.slot)
+            if s.req.seed is not None:
+                s.gen = make_generator(s.req.seed)
+            self.running.append(s)
+            self.totals["prompt_tokens"] += len(s.req.prompt)
+
+    def _params(self, seqs: list[_Seq]) -> SamplingParams:
+        return SamplingParams.make(len(seqs), [s.req.temperature for s in seqs], [s.req.top_k for s in seqs],
+                                   [s.req.top_p for s in seqs])
+
+    def _sampler(self, seqs: list[_Seq]) -> TorchSampler:
+        return TorchSampler([s.gen for s in seqs])
+
+    def _step_running(self) -> None:
+        tokens, spec, rows = [], [], []
+        decode, prefill = [], []  # (seq, segment offset, n rows)
+        off = 0
+        for s in self.running:  # decode rows first: they are latency-critical
+            if s.prefilling:
+                continue
+            ids = [s.tokens[s.n_cached]] + (s.draft[0][: s.ell].tolist() if s.ell else [])
+            decode.append((s, off, len(ids)))
+            tokens += ids
+            spec.append((s.slot, s.n_cached, len(ids)))
+            rows += range(off, off + len(ids))
+            off += len(ids)
+        budget = self.cfg.step_token_budget
+        for s in self.running:
+            if not s.prefilling or budget <= 0:
+                continue
+            n = min(self.cfg.prefill_chunk, len(s.req.prompt) - s.n_cached, budget)
+            budget -= n
+            prefill.append((s, off, n))
+            tokens += s.req.prompt[s.n_cached:s.n_cached + n]
+            spec.append((s.slot, s.n_cached, n))
+            if s.n_cached + n == len(s.req.prompt):
+                rows.append(off + n - 1)
+            off += n
+        out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
+                                  self.spec)
+        self.totals["steps"] += 1
+        logits_at = {r: i for i, r in enumerate(rows)}
+        writes, draft_seqs = [], []
+        # -- verify decode rows -------------------------------------------------------------------
+        if decode:
+            seqs = [d[0] for d in decode]
+            ell = torch.tensor([s.ell for s in seqs], dtype=torch.long)
+            lg = out.logits[[logits_at[r] for s, o, n in decode for r in range(o, o + n)]]
+            res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs),
+                             self._stop_ids(seqs), torch.tensor([s.req.max_tokens - s.n_out for s in seqs]))
+            for i, (s, o, n) in enumerate(decode):
+                k = int(res.num_tokens[i])
+                new = res.tokens[i, :k].tolist()
+                s.accepted += int(res.accepted[i])
+                self.totals["admitted"] += s.ell
+                self.totals["accepted"] += int(res.accepted[i])
+                self.totals["verify_rows"] += 1
+                pos0 = s.n_cached
+                s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
+                writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
+                self._commit(s, new, bool(res.stopped[i]))
+                if not self._done(s):
+                    draft_seqs.append(s)
+        # -- prefill chunks -----------------------------------------------------------------------
+        first = []
+        for s, o, n in prefill:
+            writes.append((s.slot, torch.arange(o, o + n), torch.arange(s.n_cached, s.n_cached + n)))
+            s.n_cached += n
+            if not s.prefilling:
+                first.append((s, logits_at[o + n - 1]))
+        if first:
+            seqs = [s for s, _ in first]
+            lg = out.logits[[i for _, i in first]]
+            res = acc.verify(lg, self._block(seqs), torch.zeros(len(seqs), dtype=torch.long), self._params(seqs),
+                             self._sampler(seqs), self._stop_ids(seqs), torch.tensor([s.req.max_tokens for s in seqs]))
+            for i, s in enumerate(seqs):
+                s.first_token_time = time.monotonic()
+                self._commit(s, res.tokens[i, :1].tolist(), bool(res.stopped[i]))
+                if not self._done(s):
+                    draft_seqs.append(s)
+        self.running = [s for s in self.running if not self._done(s) or self._release(s)]
+        if self.spec:
+            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs)
+
+    # ---- DSpark drafting ---------------------------------------------------------------------
+    def _draft(self, writes, seqs: list[_Seq]) -> None:
+        items = [(s.slot, s.n_cached - 1, s.tokens[s.n_cached]) for s in seqs]
+        out = self.runner.dspark(writes, items)
+        if not seqs:
+            return
+        d = self.runner.drafter
+        anchors = torch.tensor([a for _, _, a in items], dtype=torch.long)
+        block = acc.markov_draft(out.base_logits, anchors, lambda prev: d.markov(prev)[0], self._params(seqs),
+                                 self._sampler(seqs))
+        room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
+                                 self.gamma) for s in seqs]).clamp_min(0)
+        if self.cfg.spec_mode == "fixed":
+            ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
+        else:
+            c = torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1]))
+            ell = admit(c, self.ensure_sps())
+        ell = torch.minimum(ell, room)
+        for i, s in enumerate(seqs):
+            s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
+            s.ell = int(ell[i])
+            s.drafted += self.gamma
+        self.totals["drafted"] += self.gamma * len(seqs)
+
+    def _block(self, seqs: list[_Seq]) -> acc.DraftBlock:
+        """Stack the seqs' draft blocks; a seq without one gets a placeholder verified with ell 0."""
+        G, V = self.gamma, self.mcfg.vocab_size
+        parts = [s.draft if (s.draft is not None and s.ell) else None for s in seqs]
+        t = torch.stack([p[0] if p else torch.zeros(G, dtype=torch.long) for p in parts])
+        pv = torch.stack([p[1] if p else torch.zeros(G, dtype=torch.long) for p in parts])
+        q = torch.stack([p[2].double() if p else torch.ones(G, dtype=torch.float64) for p in parts])
+        z = torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G else torch.zeros(len(seqs), 0, V)
+        return acc.DraftBlock(tokens=t, prev=pv, q_token=q, z=z)
+
+    def _stop_ids(self, seqs: list[_Seq]) -> torch.Tensor:
+        lists = [list(s.req.stop_token_ids) + ([] if s.req.ignore_eos else [self.mcfg.eos_token_id]) for s in seqs]
+        width = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _commit(self, s: _Seq, new: list[int], stopped: bool) -> None:
+        ctx = s.tokens[max(0, len(s.tokens) - CONTEXT_IDS):]
+        s.tokens += new
+        s.n_out += len(new)
+        s.draft, s.ell = None, 0
+        self.totals["output_tokens"] += len(new)
+        reason = None
+        if stopped:
+            reason = "stop"
+        elif s.n_out >= s.req.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
+            reason = "length"
+        s.finish = reason
+        self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),
+                                num_output_tokens=s.n_out, drafted=s.drafted, accepted=s.accepted))
+
+    def _done(self, s: _Seq) -> bool:
+        return getattr(s, "finish", None) is not None
+
+    def _release(self, s: _Seq) -> bool:
+        with self.lock:
+            self.free.append(s.slot)
+            self.free.sort()
+        self.totals["finished"] += 1
+        return False
+
+    def _finish(self, s: _Seq, reason: str | None = None, error: str | None = None, code: str | None = None) -> None:
+        """End a running request from outside the normal flow (cancel, failure) and free its slot."""
+        if s in self.running:
+            self.running.remove(s)
+            self._release(s)
+        s.finish = reason or "error"
+        self._emit(s.req, Event(s.req.id, [], [], finish_reason=reason, error=error, error_code=code,
+                                num_prompt_tokens=len(s.req.prompt), num_output_tokens=s.n_out,
+                                drafted=s.drafted, accepted=s.accepted))
+
+    def _emit(self, r: Request, e: Event) -> None:
+        if r.callback is not None:
+            try:
+                r.callback(e)
+            except Exception:  # a broken consumer must not take the engine down
+                pass

@@ -1,0 +1,148 @@
+"""The continuous-batching engine on the golden tiny checkpoint (exact numerics: a request's
+greedy output does not depend on what it is batched with, so 'equals the request run alone' is
+checked bit for bit)."""
+
+import threading
+
+import pytest
+import torch
+
+from v4flash_backend.engine import Engine, EngineConfig, Request, RequestError
+from v4flash_backend.runner import LocalRunner
+
+
+def _engine(model, mode="dspark", seqs=4, max_len=160, **kw):
+    return Engine(LocalRunner(model, seqs + 1, max_len), EngineConfig(max_num_seqs=seqs, max_model_len=max_len,
+                                                                        spec_mode=mode, prefill_chunk=24, **kw))
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [0] + torch.randint(3, 1000, (n - 1,), generator=g).tolist()
+
+
+def _collect(eng, reqs):
+    events = {r.id: [] for r in reqs}
+    for r in reqs:
+        r.callback = events[r.id].append
+        eng.submit(r)
+    for _ in range(2000):
+        if all(ev and ev[-1].final for ev in events.values()):
+            break
+        eng.step()
+    return events
+
+
+def _alone(model, r):
+    eng = _engine(model, mode="off", seqs=1)
+    ev = eng.generate(Request(prompt=r.prompt, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
+                              stop_token_ids=r.stop_token_ids))
+    return [t for e in ev for t in e.token_ids]
+
+
+@pytest.mark.parametrize("mode", ["dspark", "fixed", "off"])
+def test_concurrent_requests_equal_alone_and_free_slots(tiny_model, mode):
+    eng = _engine(tiny_model, mode)
+    specs = [(5, 9), (40, 3), (17, 12), (1, 6), (63, 8), (9, 1), (30, 10), (12, 7), (25, 5)]
+    reqs = [Request(prompt=_prompt(n, i), max_tokens=k, ignore_eos=True) for i, (n, k) in enumerate(specs)]
+    events = _collect(eng, reqs)
+    for r in reqs:
+        ev = events[r.id]
+        assert sum(e.final for e in ev) == 1 and ev[-1].finish_reason == "length"
+        out = [t for e in ev for t in e.token_ids]
+        assert len(out) == r.max_tokens
+        assert out == _alone(tiny_model, r), (mode, len(r.prompt))
+        # context_ids: the last <= 8 committed ids before each chunk
+        seq = list(r.prompt)
+        for e in ev:
+            assert e.context_ids == seq[-8:]
+            seq += e.token_ids
+    st = eng.stats()
+    assert st["slots_in_use"] == 0 and st["running"] == 0 and st["waiting"] == 0 and sorted(eng.free) == [0, 1, 2, 3]
+    if mode != "off":
+        assert st["drafted"] > 0 and st["admitted"] > 0
+
+
+def test_cancel_frees_slot_within_one_step(tiny_model):
+    eng = _engine(tiny_model, seqs=2)
+    a = Request(prompt=_prompt(10, 1), max_tokens=100, ignore_eos=True)
+    b = Request(prompt=_prompt(10, 2), max_tokens=100, ignore_eos=True)
+    c = Request(prompt=_prompt(10, 3), max_tokens=3, ignore_eos=True)
+    got = {r.id: [] for r in (a, b, c)}
+    for r in (a, b, c):
+        r.callback = got[r.id].append
+        eng.submit(r)
+    for _ in range(3):
+        eng.step()
+    assert eng.stats()["slots_in_use"] == 2 and eng.stats()["waiting"] == 1
+    eng.cancel(a.id)
+    eng.cancel(c.id)  # still queued
+    eng.step()
+    assert got[a.id][-1].finish_reason == "cancelled" and got[c.id][-1].finish_reason == "cancelled"
+    assert eng.stats()["slots_in_use"] == 1
+    eng.cancel(b.id)
+    eng.step()
+    assert eng.stats()["slots_in_use"] == 0 and got[b.id][-1].finish_reason == "cancelled"
+
+
+def test_stop_tokens_and_eos(tiny_model):
+    r = Request(prompt=_prompt(20, 5), max_tokens=12, ignore_eos=True)
+    full = _alone(tiny_model, r)
+    stop = full[4]
+    cut = full[: full.index(stop) + 1]
+    eng = _engine(tiny_model)
+    ev = eng.generate(Request(prompt=r.prompt, max_tokens=12, stop_token_ids=(stop,)))
+    assert [t for e in ev for t in e.token_ids] == cut and ev[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prompt=[]), "empty prompt"),
+    (dict(prompt=[0] * 200), "max_model_len"),
+    (dict(prompt=[0, 5000]), "outside the vocabulary"),
+    (dict(prompt=[0, 5], max_tokens=0), "max_tokens"),
+    (dict(prompt=[0, 5], temperature=-1.0), "temperature"),
+    (dict(prompt=[0, 5], top_p=0.0), "top_p"),
+    (dict(prompt=[0, 5], top_p=1.5), "top_p"),
+    (dict(prompt=[0, 5], top_k=-2), "top_k"),
+    (dict(prompt=[0, 5], stop_token_ids=(-3,)), "stop token"),
+])
+def test_bad_requests_get_clear_errors(tiny_model, kw, msg):
+    eng = _engine(tiny_model)
+    with pytest.raises(RequestError, match=msg) as e:
+        eng.submit(Request(**kw))
+    assert e.value.code == "INVALID_ARG" and eng.stats()["waiting"] == 0
+
+
+def test_queue_timeout_is_an_error_not_a_hang(tiny_model):
+    eng = _engine(tiny_model, seqs=1, queue_timeout_s=0.0)
+    got = []
+    eng.submit(Request(prompt=[0, 5], max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.submit(Request(prompt=[0, 6], max_tokens=5, callback=got.append))
+    eng.step()
+    assert got and got[-1].error_code == "UNAVAILABLE" and "no free slot" in got[-1].error
+
+
+def test_seeded_sampling_is_batch_independent_without_speculation(tiny_model):
+    r = dict(prompt=_prompt(8, 9), max_tokens=6, temperature=1.0, top_k=50, seed=77, ignore_eos=True)
+    alone = [t for e in _engine(tiny_model, "off", 1).generate(Request(**r)) for t in e.token_ids]
+    eng = _engine(tiny_model, "off")
+    reqs = [Request(**r)] + [Request(prompt=_prompt(15, i), max_tokens=6, temperature=1.0, ignore_eos=True)
+                             for i in range(3)]
+    ev = _collect(eng, reqs)
+    assert [t for e in ev[reqs[0].id] for t in e.token_ids] == alone
+
+
+def test_run_loop_serves_from_another_thread(tiny_model):
+    eng = _engine(tiny_model)
+    stop = threading.Event()
+    th = threading.Thread(target=eng.run, args=(stop,), daemon=True)
+    th.start()
+    done = threading.Event()
+    out = []
+    eng.submit(Request(prompt=[0, 5, 6], max_tokens=4, ignore_eos=True,
+                       callback=lambda e: (out.append(e), e.final and done.set())))
+    assert done.wait(60)
+    stop.set()
+    th.join(5)
+    assert sum(len(e.token_ids) for e in out) == 4
