@@ -118,6 +118,9 @@ class Engine:
         self.sps: SPSTable | None = None
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
                            accepted=0, steps=0, verify_rows=0)
+        # per draft position j = 1..gamma: verify rows where draft j was admitted / accepted
+        self.admitted_at = [0] * self.gamma
+        self.accepted_at = [0] * self.gamma
 
     @property
     def spec(self) -> bool:
@@ -168,6 +171,7 @@ class Engine:
             d.update(waiting=len(self.waiting), running=len(self.running),
                      slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
+        d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
         return d
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
@@ -305,6 +309,9 @@ class Engine:
                 k = int(res.num_tokens[i])
                 new = res.tokens[i, :k].tolist()
                 s.accepted += int(res.accepted[i])
+                for j in range(s.ell):
+                    self.admitted_at[j] += 1
+                    self.accepted_at[j] += int(res.accepted[i]) > j
                 self.totals["admitted"] += s.ell
                 self.totals["accepted"] += int(res.accepted[i])
                 self.totals["verify_rows"] += 1
