@@ -48,6 +48,30 @@ def local_experts(W: dict, p: str) -> list[int]:
     return meta[p]
 
 
+# rows x local experts up to which the dense form (every local expert on every row, routing
+# weight 0 where not routed) replaces the per-expert loop: a few batched GEMMs instead of a Python
+# loop, and a cost independent of the routing (what a static decode graph needs as well)
+DENSE_MOE_MAX = 1024
+
+
+def stacked_experts(W: dict, p: str) -> list:
+    """[w1, s1, w3, s3, w2, s2] of the local experts stacked along a new leading dim (cached);
+    the per-expert entries of W become views into the stacks, so nothing is stored twice."""
+    meta = W.meta.setdefault("stacked", {})
+    if p not in meta:
+        ids = local_experts(W, p)
+        out = []
+        for w in ("w1", "w3", "w2"):
+            for part in ("weight", "scale"):
+                names = [f"{p}.experts.{e}.{w}.{part}" for e in ids]
+                st = torch.stack([W[n] for n in names])
+                for i, n in enumerate(names):
+                    W[n] = st[i]
+                out.append(st)
+        meta[p] = out
+    return meta[p]
+
+
 def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tensor, comm,
         capture: dict | None = None) -> torch.Tensor:
     """Routed experts summed in fp32 in expert-id order (each output rounded to bf16), then the
@@ -56,13 +80,34 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     weights, ids = route(W, cfg, p, x, n_act)
     if capture is not None:
         capture["gate_indices"], capture["gate_weights"] = ids, weights
+    experts = local_experts(W, p)
     y = torch.zeros(x.shape, dtype=torch.float32)
-    present = set(torch.unique(ids).tolist())
-    for e in local_experts(W, p):
-        if e not in present:
-            continue
-        rows, slot = torch.where(ids == e)
-        y[rows] += expert(W, f"{p}.experts.{e}", x[rows], weights[rows, slot, None], cfg.swiglu_limit)
+    if (ops.get_numerics() == "exact" and not W.meta.get("train") and len(experts) > 1
+            and x.shape[0] * len(experts) <= DENSE_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
+        # exact numerics make each (row, expert) result independent of the batch, so the dense
+        # form equals the loop bit for bit; a zero routing weight gives an exact zero output
+        w1, s1, w3, s3, w2, s2 = stacked_experts(W, p)
+        col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
+                          cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long)
+        col[torch.tensor(experts)] = torch.arange(len(experts))
+        route_w = torch.zeros(x.shape[0], len(experts), dtype=torch.float32)
+        local = col[ids]
+        hit = local >= 0
+        route_w[torch.nonzero(hit)[:, 0], local[hit]] = weights[hit]
+        xe = x.unsqueeze(0).expand(len(experts), -1, -1)
+        h = ops.swiglu(ops.linear_fp4(xe, w1, s1) if w1.dtype == torch.int8 else ops.linear_fp8(xe, w1, s1),
+                       ops.linear_fp4(xe, w3, s3) if w3.dtype == torch.int8 else ops.linear_fp8(xe, w3, s3),
+                       route_w.T.unsqueeze(-1), cfg.swiglu_limit)
+        out = ops.linear_fp4(h, w2, s2) if w2.dtype == torch.int8 else ops.linear_fp8(h, w2, s2)
+        for e in range(len(experts)):
+            y += out[e]
+    else:
+        present = set(torch.unique(ids).tolist())
+        for e in experts:
+            if e not in present:
+                continue
+            rows, slot = torch.where(ids == e)
+            y[rows] += expert(W, f"{p}.experts.{e}", x[rows], weights[rows, slot, None], cfg.swiglu_limit)
     y = comm.moe_out(y)
     y += expert(W, p + ".shared_experts", x, None, cfg.swiglu_limit)
     return y.to(x.dtype)

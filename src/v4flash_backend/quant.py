@@ -29,11 +29,11 @@ _E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2(amax * max_inv)) in fp32, from the IEEE bits (as the reference kernel does)."""
     x = (amax.float() * max_inv).contiguous()
+    # adding an all-ones mantissa carries into the exponent exactly when the mantissa is non-zero;
+    # clearing the mantissa then leaves 2^(exponent + (mantissa != 0)) -- the reference's rule
+    # for the positive normal values that reach here (amax is floored)
     bits = x.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    e = exp + (mantissa != 0).to(torch.int32)
-    return (e << 23).view(torch.float32)
+    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -53,14 +53,29 @@ class _DequantCache:
 _cache = _DequantCache()
 
 
+def _batched(deq, weight, scale):
+    """Stacked weights [E, N, ...] (a group of experts): dequantize expert by expert."""
+    if weight.dim() == 3:
+        return torch.stack([deq(w, s) for w, s in zip(weight, scale)])
+    return deq(weight, scale)
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if w.dim() == 2:
+        return _mm(x, w)
+    return x.double() @ w.double().transpose(-1, -2) if _exact() else x.float() @ w.float().transpose(-1, -2)
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    wf = _cache.get(weight, lambda: quant.dequant_fp8_weight(weight, scale))
-    return _mm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+    """x [..., K] bf16 @ fp8 weight [N, K] (or a stack [E, N, K] with x [E, T, K])."""
+    wf = _cache.get(weight, lambda: _batched(quant.dequant_fp8_weight, weight, scale))
+    return _bmm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
 
 
 def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    wf = _cache.get(weight, lambda: quant.dequant_fp4_weight(weight, scale))
-    return _mm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+    """x [..., K] bf16 @ MXFP4 weight [N, K/2] (or a stack [E, N, K/2] with x [E, T, K])."""
+    wf = _cache.get(weight, lambda: _batched(quant.dequant_fp4_weight, weight, scale))
+    return _bmm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
