@@ -57,8 +57,15 @@ class Event:
     error_code: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    drafted: int = 0  # drafts produced for this request so far
+    admitted: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    verify_steps: int = 0  # decode steps (each commits accepted drafts + one target token)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verify step, the bonus included."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def final(self) -> bool:
@@ -88,7 +95,9 @@ class _Seq:
     n_cached: int = 0  # leading tokens whose rows are in the cache
     n_out: int = 0
     drafted: int = 0
+    admitted: int = 0
     accepted: int = 0
+    verify_steps: int = 0
     gen: torch.Generator | None = None
     draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
     ell: int = 0  # drafts admitted for the next verify
@@ -194,6 +203,11 @@ class Engine:
         return events
 
     # ---- SPS table -----------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Start-of-service work: profile (or load) the SPS table before the first request."""
+        if self.cfg.spec_mode == "dspark":
+            self.ensure_sps()
+
     def ensure_sps(self) -> SPSTable:
         """Steps/s of a target forward of B tokens, profiled once on a scratch slot (or loaded)."""
         if self.sps is not None:
@@ -309,6 +323,8 @@ class Engine:
                 k = int(res.num_tokens[i])
                 new = res.tokens[i, :k].tolist()
                 s.accepted += int(res.accepted[i])
+                s.admitted += s.ell
+                s.verify_steps += 1
                 for j in range(s.ell):
                     self.admitted_at[j] += 1
                     self.accepted_at[j] += int(res.accepted[i]) > j
@@ -395,7 +411,8 @@ class Engine:
             reason = "length"
         s.finish = reason
         self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),
-                                num_output_tokens=s.n_out, drafted=s.drafted, accepted=s.accepted))
+                                num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted,
+                                accepted=s.accepted, verify_steps=s.verify_steps))
 
     def _done(self, s: _Seq) -> bool:
         return getattr(s, "finish", None) is not None
@@ -415,7 +432,8 @@ class Engine:
         s.finish = reason or "error"
         self._emit(s.req, Event(s.req.id, [], [], finish_reason=reason, error=error, error_code=code,
                                 num_prompt_tokens=len(s.req.prompt), num_output_tokens=s.n_out,
-                                drafted=s.drafted, accepted=s.accepted))
+                                drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
+                                verify_steps=s.verify_steps))
 
     def _emit(self, r: Request, e: Event) -> None:
         if r.callback is not None:
