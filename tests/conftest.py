@@ -28,10 +28,13 @@ def tiny_model(golden_dir):
 
 
 @pytest.fixture(autouse=True)
-def _restore_ops():
+def _default_ops():
+    """Every test starts on the serving defaults (torch ops, exact numerics), whatever a previous
+    test or a module-scoped fixture switched to; tests that need others set them explicitly."""
     from v4flash_backend import ops
 
-    backend, numerics = ops.get_backend(), ops.get_numerics()
+    ops.set_backend("torch")
+    ops.set_numerics("exact")
     yield
-    ops.set_backend(backend)
-    ops.set_numerics(numerics)
+    ops.set_backend("torch")
+    ops.set_numerics("exact")

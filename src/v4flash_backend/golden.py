@@ -135,12 +135,14 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
     for i in range(cfg.n_layers):
         L = f"{pre}layers.{i}."
         x_in = fx.t(L + "x_in") if fx.has(L + "x_in") else fx.t(f"{pre}layers.{i - 1}.x_out")
-        if i in cfg.engram_layer_ids and i > 0:
-            # the Engram layer itself: applied to the previous block's output it must give x_in
+        if i in cfg.engram_layer_ids:
+            # the Engram layer itself: applied to the previous block's output (the embedded streams
+            # before layer 0) it must give x_in
             from .model_ffn import engram
 
             hashes = m.engram_hashes(ModelState(cfg, 1, S + 8), ids, segs)
-            e = engram(m.W, cfg, i, fx.t(f"{pre}layers.{i - 1}.x_out"), hashes[:, cfg.engram_layer_ids.index(i)], m.comm)
+            before = (fx.t(f"{pre}layers.{i - 1}.x_out") if i > 0 else ops.hc_expand(m.embed(ids), cfg.hc_mult))
+            e = engram(m.W, cfg, i, before, hashes[:, cfg.engram_layer_ids.index(i)], m.comm)
             r = row_rel(e, x_in)
             rep.check((r > STRICT_ROW_TOL).float().mean().item() <= STRICT_ROW_FRAC,
                       f"{case} engram before layer {i}: max row err {r.max().item():.1e}")
