@@ -79,3 +79,13 @@ def test_replay_catches_skipped_index_fp4(fx_model, monkeypatch):
 def test_exact_numerics_pass_the_loose_level(golden_dir):
     ok, final, rep = golden.golden_check(golden_dir, numerics="exact")
     assert ok, rep.failures
+
+
+@pytest.mark.slow
+def test_golden_check_passes_through_the_nki_kernels(golden_dir):
+    """Every op family through the NKI kernels run by the CPU simulator (issue 5's bar)."""
+    r = subprocess.run([sys.executable, "-m", "v4flash_backend", "golden-check", str(golden_dir), "--ops", "nki-sim"],
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = FINAL.match(r.stdout.strip().splitlines()[-1])
+    assert m and int(m.group(3)) == int(m.group(4)) == 10

@@ -82,7 +82,7 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         capture["gate_indices"], capture["gate_weights"] = ids, weights
     experts = local_experts(W, p)
     y = torch.zeros(x.shape, dtype=torch.float32)
-    if (ops.get_numerics() == "exact" and not W.meta.get("train") and len(experts) > 1
+    if (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train") and len(experts) > 1
             and x.shape[0] * len(experts) <= DENSE_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
         # exact numerics make each (row, expert) result independent of the batch, so the dense
         # form equals the loop bit for bit; a zero routing weight gives an exact zero output

@@ -11,6 +11,10 @@ Host-side work here is limited to free reshapes (flattening leading dims), dtype
 implies (linear_f32 operands to fp32) and padding the attention index width to a multiple of 128 with -1.
 The launch grid is V4FLASH_NKI_GRID if set, else NEURON_LOGICAL_NC_CONFIG (default 2) on the device and 1 in
 the simulator; kernels split their work over the grid's programs.
+
+Numerics: the kernels compute what the hardware computes -- fp32 PSUM / engine arithmetic at the official
+reference's rounding points, i.e. the 'reference' numerics of `ops`; `ops.get_numerics()` is not consulted
+(there is no fp64 'exact' mode on a NeuronCore). Attention slots outside [0, n) count as empty, like -1.
 """
 
 import os
@@ -63,7 +67,11 @@ def _launch(kernel, *tensors, **static):
 
 
 def _launch_device(kernel, tensors, static):
-    import torch_neuronx  # noqa: F401  (registers the neuron device and nki.jit's torch path)
+    try:
+        import torch_neuronx  # noqa: F401  (registers the neuron device and nki.jit's torch path)
+    except ImportError as e:
+        raise RuntimeError("the 'nki' ops backend runs on Trainium and needs torch-neuronx and nki "
+                           "(requirements-neuron.txt); use 'nki-sim' on CPU") from e
 
     home = tensors[0].device
     dev = [t if t.device.type == "neuron" else t.to("neuron") for t in tensors]
@@ -127,9 +135,9 @@ def swiglu(gate, up, weight, limit):
 
 def engram_gate(h, key, value, qk_weight, eps):
     k = _kernels()
-    b, s, hc, d = h.shape
-    y = _launch(k.engram.engram_gate_kernel, h.reshape(b * s, hc, d), key.reshape(b * s, hc, d),
-                value.reshape(b * s, d), qk_weight.float(), eps=float(eps))
+    hc, d = h.shape[-2:]
+    y = _launch(k.engram.engram_gate_kernel, h.reshape(-1, hc, d), key.reshape(-1, hc, d), value.reshape(-1, d),
+                qk_weight.float(), eps=float(eps))
     return y.reshape(h.shape)
 
 

@@ -1,0 +1,33 @@
+"""A strict CPU simulator of the subset of NKI (nki >= 0.6) that the v4flash kernels use.
+
+It provides the modules `nki`, `nki.isa` and `nki.language` (see `install()`), executes every instruction
+eagerly with NumPy, and rejects what Trainium2 hardware or the NKI compiler rejects: partition dims above
+128, oversized or mistyped matmuls, DMA touching PSUM, stationary operands with two free dims,
+single-partition indirect DMA, `raise` in a kernel, reads of memory that was never written, outputs left
+partly unwritten. It does not model timing, engine overlap or total SBUF/PSUM capacity, and its float32
+math follows IEEE / torch CPU rounding rather than the device's approximations.
+"""
+
+import sys
+
+from . import isa, language
+from ._errors import NkiValidationError, SimError
+from ._runtime import Kernel, jit, simulate
+
+__all__ = ["isa", "language", "jit", "simulate", "Kernel", "SimError", "NkiValidationError", "install",
+           "is_installed"]
+
+IS_SIMULATOR = True
+
+
+def install():
+    """Register this package as `nki`, `nki.isa` and `nki.language` in sys.modules (replacing whatever
+    was there), so kernel sources written against the real package import the simulator."""
+    me = sys.modules[__name__]
+    sys.modules["nki"] = me
+    sys.modules["nki.isa"] = isa
+    sys.modules["nki.language"] = language
+
+
+def is_installed():
+    return getattr(sys.modules.get("nki"), "IS_SIMULATOR", False)

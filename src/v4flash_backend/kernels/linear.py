@@ -1,0 +1,227 @@
+"""Linear layers y[M, N] = x[M, K] @ W[N, K].T on the Tensor Engine (fp32 PSUM accumulation, one rounding).
+
+Trainium2's matmul takes no e4m3fn/e2m1 operands, so quantized weights are dequantized in SBUF to bf16
+(exact: e4m3 and e2m1 values times a power-of-two scale fit bf16), and the fp8 activation fake-quant of the
+reference (1x32 groups, ue8m0 scale = 2^ceil(log2(amax/448)), RNE to e4m3fn saturating at 448) is applied
+to x before the GEMM, so every product equals the reference's block-scaled product; only the fp32
+summation order differs from the reference's per-32-block accumulation.
+
+Layout: both operands need K on the partitions, so x row tiles and W row tiles are transposed with the
+Tensor Engine. Work split: a grid of G programs splits N into G 32-aligned column ranges ("both cores").
+"""
+
+from . import _nki  # noqa: F401
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ._common import PSUM_N, P, cdiv, transpose
+
+FP8_MAX = 448.0
+FP8_MAX_INV = 1.0 / 448.0  # rounded to fp32 as an operand: the reference multiplies by float32(1/448)
+AMAX_FLOOR = 1e-4
+MB = 512  # x rows whose transposes stay in SBUF while every weight block of the column range streams by
+QB = 32  # quantization group (activations 1x32, weights 32x32 for fp8, 1x32 for fp4)
+
+
+def _col_range(n):
+    """Columns [n0, n1) of this program: G 32-aligned slices (a 32-row scale block never straddles)."""
+    g, pid = nl.num_programs(0), nl.program_id(0)
+    per = cdiv(cdiv(n, g), QB) * QB
+    n0 = min(n, pid * per)
+    return n0, min(n, n0 + per)
+
+
+def act_qdq(xt, m, k):
+    """fp8 fake-quant of the rows xt[0:m, 0:k] (bf16) per 32 consecutive channels -> new bf16 tile."""
+    kb = k // QB
+    f32, i32 = nl.float32, nl.int32
+    ax = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=ax[0:m], op=nl.abs, data=xt[0:m, 0:k])
+    amax = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=amax[0:m], op=nl.maximum, data=ax[0:m].reshape((m, kb, QB)), axis=2)
+    t = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t[0:m], data=amax[0:m], op0=nl.maximum, operand0=AMAX_FLOOR,
+                       op1=nl.multiply, operand1=FP8_MAX_INV)
+    # s = 2^ceil(log2 t) from the fp32 bits: adding 0x7FFFFF carries into the exponent iff the mantissa
+    # is non-zero; keeping only the exponent bits then gives the power of two (t is a positive normal).
+    ones = nl.ndarray((P, kb), dtype=i32, buffer=nl.sbuf)
+    nisa.memset(dst=ones[0:m], value=0x7FFFFF)
+    sb = nl.ndarray((P, kb), dtype=i32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sb[0:m], data1=t.view(i32)[0:m], data2=ones[0:m], op=nl.add)  # exact int32
+    nisa.tensor_scalar(dst=sb[0:m], data=sb[0:m], op0=nl.bitwise_and, operand0=0x7F800000)
+    s = sb.view(f32)[0:m].reshape((m, kb, 1)).broadcast(2, QB)
+    q = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=q[0:m].reshape((m, kb, QB)), data1=xt[0:m, 0:k].reshape((m, kb, QB)), data2=s,
+                       op=nl.divide)
+    q8 = nl.ndarray((P, k), dtype=nl.float8_e4m3fn, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=q8[0:m], data=q[0:m], op0=nl.minimum, operand0=FP8_MAX, op1=nl.maximum,
+                       operand1=-FP8_MAX)  # saturate, then round-to-nearest-even into e4m3fn
+    xq = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=xq[0:m].reshape((m, kb, QB)), data1=q8[0:m].reshape((m, kb, QB)), data2=s,
+                       op=nl.multiply)
+    return xq
+
+
+def _fp8_rows(weight, scale, k):
+    """Loader of weight rows [r0, r0+n): e4m3fn -> bf16 on the DMA, times the 32x32 ue8m0 tile scales."""
+    kb = k // QB
+
+    def load(r0, n):
+        wb = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
+        sc = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.sbuf)
+        for g in range(cdiv(n, QB)):  # one scale row per 32 weight rows, broadcast to those partitions
+            gn = min(QB, n - g * QB)
+            nisa.dma_copy(dst=sc[g * QB:g * QB + gn],
+                          src=scale.ap(pattern=[[0, gn], [1, kb]], offset=(r0 // QB + g) * scale.shape[1]))
+        wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=wb[0:n].reshape((n, kb, QB)),
+                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        return wd
+
+    return load
+
+
+def _fp4_rows(weight, scale, k):
+    """Loader of MXFP4 rows: two e2m1 codes per byte (even element in the low nibble), code = sign bit 3 +
+    magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}, times one ue8m0 scale per 32 elements."""
+    kb, kh = k // QB, k // 2
+    f32, u8 = nl.float32, nl.uint8
+
+    def load(r0, n):
+        wb = nl.ndarray((P, kh), dtype=nl.int8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
+        wu = wb.view(u8)
+        codes = nl.ndarray((P, kh, 2), dtype=u8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=codes[0:n, :, 0], data=wu[0:n], op0=nl.bitwise_and, operand0=0xF)
+        nisa.tensor_scalar(dst=codes[0:n, :, 1], data=wu[0:n], op0=nl.right_shift, operand0=4)
+        cf = codes[0:n].reshape((n, k))
+        mag = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=mag[0:n], data=cf, op0=nl.bitwise_and, operand0=7)
+        sgn = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=sgn[0:n], data=cf, op0=nl.right_shift, operand0=3)
+        # |value| = 0.5*i + 0.5*relu(i-4) + relu(i-6) for i in 0..7 gives exactly the e2m1 grid
+        t4 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=t4[0:n], data=mag[0:n], op0=nl.subtract, operand0=4.0, op1=nl.maximum,
+                           operand1=0.0)
+        t6 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=t6[0:n], data=mag[0:n], op0=nl.subtract, operand0=6.0, op1=nl.maximum,
+                           operand1=0.0)
+        nisa.scalar_tensor_tensor(dst=t4[0:n], data=t4[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
+                                  operand1=t6[0:n])
+        nisa.scalar_tensor_tensor(dst=t4[0:n], data=mag[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
+                                  operand1=t4[0:n])
+        nisa.tensor_scalar(dst=t6[0:n], data=sgn[0:n], op0=nl.multiply, operand0=-2.0, op1=nl.add,
+                           operand1=1.0)  # +1 / -1
+        nisa.tensor_tensor(dst=t4[0:n], data1=t4[0:n], data2=t6[0:n], op=nl.multiply)
+        sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sc[0:n], src=scale[r0:r0 + n, :])  # ue8m0 -> fp32 (exact power of two)
+        wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=t4[0:n].reshape((n, kb, QB)),
+                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        return wd
+
+    return load
+
+
+def _plain_rows(weight, k, dtype):
+    def load(r0, n):
+        w = nl.ndarray((P, k), dtype=dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w[0:n], src=weight[r0:r0 + n, :])
+        return w
+
+    return load
+
+
+def _linear(x, out, load_rows, quant, cdt):
+    """Shared GEMM schedule. x [M, K] in HBM; out [M, N]; load_rows(r0, n) -> SBUF [P, K] of dtype cdt."""
+    m_total, k = x.shape
+    n0, n1 = _col_range(out.shape[1])
+    if n0 >= n1:
+        return
+    kc_n = cdiv(k, P)
+    for mb0 in range(0, m_total, MB):
+        mbs = min(MB, m_total - mb0)
+        m_tiles = [(mt * P, min(P, mbs - mt * P)) for mt in range(cdiv(mbs, P))]
+        xT = nl.ndarray((P, kc_n, mbs), dtype=cdt, buffer=nl.sbuf)
+        for mo, msz in m_tiles:
+            xt = nl.ndarray((P, k), dtype=cdt, buffer=nl.sbuf)
+            nisa.dma_copy(dst=xt[0:msz], src=x[mb0 + mo:mb0 + mo + msz, :])
+            xs = act_qdq(xt, msz, k) if quant else xt
+            for kc in range(kc_n):
+                ks = min(P, k - kc * P)
+                transpose(xT[0:ks, kc, mo:mo + msz], xs[0:msz, kc * P:kc * P + ks])
+        for nb0 in range(n0, n1, PSUM_N):
+            nbs = min(PSUM_N, n1 - nb0)
+            wT = nl.ndarray((P, kc_n, nbs), dtype=cdt, buffer=nl.sbuf)
+            for no in range(0, nbs, P):
+                nsz = min(P, nbs - no)
+                wd = load_rows(nb0 + no, nsz)
+                for kc in range(kc_n):
+                    ks = min(P, k - kc * P)
+                    transpose(wT[0:ks, kc, no:no + nsz], wd[0:nsz, kc * P:kc * P + ks])
+            for mo, msz in m_tiles:
+                ps = nl.ndarray((P, nbs), dtype=nl.float32, buffer=nl.psum)
+                for kc in range(kc_n):
+                    ks = min(P, k - kc * P)
+                    nisa.nc_matmul(dst=ps[0:msz, 0:nbs], stationary=xT[0:ks, kc, mo:mo + msz],
+                                   moving=wT[0:ks, kc, 0:nbs], accumulate=kc > 0)
+                o = nl.ndarray((P, nbs), dtype=out.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=o[0:msz, 0:nbs], src=ps[0:msz, 0:nbs])
+                nisa.dma_copy(dst=out[mb0 + mo:mb0 + mo + msz, nb0:nb0 + nbs], src=o[0:msz, 0:nbs])
+
+
+@nki.jit
+def linear_fp8_kernel(x, weight, scale):
+    """x bf16 [M, K], weight e4m3fn [N, K], scale e8m0 [ceil(N/32), K/32] -> bf16 [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert k % QB == 0 and weight.shape[1] == k and scale.shape == (cdiv(n, QB), k // QB)
+    out = nl.ndarray((m, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    _linear(x, out, _fp8_rows(weight, scale, k), True, nl.bfloat16)
+    return out
+
+
+@nki.jit
+def linear_fp4_kernel(x, weight, scale):
+    """x bf16 [M, K], weight int8 [N, K/2] (MXFP4), scale e8m0 [N, K/32] -> bf16 [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert k % QB == 0 and weight.shape[1] * 2 == k and scale.shape == (n, k // QB)
+    out = nl.ndarray((m, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    _linear(x, out, _fp4_rows(weight, scale, k), True, nl.bfloat16)
+    return out
+
+
+@nki.jit
+def linear_bf16_kernel(x, weight):
+    """x bf16 [M, K], weight bf16 [N, K] -> bf16 [M, N]."""
+    m, k = x.shape
+    assert weight.shape[1] == k
+    out = nl.ndarray((m, weight.shape[0]), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    _linear(x, out, _plain_rows(weight, k, nl.bfloat16), False, nl.bfloat16)
+    return out
+
+
+@nki.jit
+def linear_f32_kernel(x, weight):
+    """x f32 [M, K], weight f32 [N, K] -> f32 [M, N] (fp32 operands on the Tensor Engine)."""
+    m, k = x.shape
+    assert weight.shape[1] == k
+    out = nl.ndarray((m, weight.shape[0]), dtype=nl.float32, buffer=nl.shared_hbm)
+    _linear(x, out, _plain_rows(weight, k, nl.float32), False, nl.float32)
+    return out
+
+
+@nki.jit
+def linear_bf16_grouped_kernel(x, weight):
+    """Block-diagonal projection: x bf16 [M, G, K], weight bf16 [G, N, K] -> bf16 [M, G, N] (group g of x
+    only meets weight[g]; the attention's wo_a)."""
+    m, g_n, k = x.shape
+    assert weight.shape[0] == g_n and weight.shape[2] == k
+    n = weight.shape[1]
+    out = nl.ndarray((m, g_n, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    for g in range(g_n):
+        _linear(x[:, g, :], out[:, g, :], _plain_rows(weight[g], k, nl.bfloat16), False, nl.bfloat16)
+    return out
