@@ -23,7 +23,6 @@ from safetensors import safe_open
 
 from . import ops, quant
 from .config import ModelConfig
-from .loading import load_model
 from .model import V41Model
 from .model_dspark import DSparkDrafter
 from .model_ffn import route
@@ -90,7 +89,10 @@ class GoldenFixture:
 
 
 def build_model(fx: GoldenFixture) -> V41Model:
-    return load_model(fx.dir)
+    """W = 1 in a plain process; under torchrun each rank loads its shard (parallel layout)."""
+    from .parallel import model_for_env
+
+    return model_for_env(fx.dir)
 
 
 # ---- level 1 --------------------------------------------------------------------------------

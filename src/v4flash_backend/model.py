@@ -18,6 +18,7 @@ from .model_attention import attention
 from .model_ffn import engram, moe
 from .model_state import ModelState, Segment
 from .rope import layer_rope
+from .weights import linear
 
 
 class LocalComm:
@@ -27,11 +28,11 @@ class LocalComm:
     def embed(self, y):  # vocab-parallel embedding: masked rows summed over ranks
         return y
 
-    def attn_out(self, y):  # row-parallel wo_b partial sums within the attention group
-        return y
+    def attn_out(self, W, prefix, x):  # row-parallel wo_b: partial sums reduced within the attention group
+        return linear(W, prefix, x)
 
-    def index_scores(self, s):  # indexer heads split across the attention group
-        return s
+    def index_scores(self, q, k, w):  # indexer heads split across the attention group
+        return ops.indexer_scores(q, k, w)
 
     def moe_out(self, y):  # experts partitioned by id: fp32 carry summed over the world
         return y
@@ -94,9 +95,11 @@ class V41Model:
 
         return self.hc_block(f"layers.{layer}", self.cfg.n_activated_experts, h, pre_mix, attn, capture)
 
-    def hc_block(self, p: str, n_act: int, h: torch.Tensor, pre_mix: torch.Tensor, attn, capture=None):
+    def hc_block(self, p: str, n_act: int, h: torch.Tensor, pre_mix: torch.Tensor, attn, capture=None,
+                 ffn=None):
         """Single-pass mHC block: the attention collapses with the previous block's FFN pre-mix, the
-        FFN with the pre-mix this block's attention mixes produced; returns (h, FFN pre-mix)."""
+        FFN with the pre-mix this block's attention mixes produced; returns (h, FFN pre-mix).
+        `ffn(x)` replaces the routed MoE (the static step's dense-expert form, `static_step`)."""
         cfg, W = self.cfg, self.W
         mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         a_pre, a_post, a_comb = ops.hc_mixes(h, W[p + ".hc_attn_fn"], W[p + ".hc_attn_scale"],
@@ -107,7 +110,7 @@ class V41Model:
         f_pre, f_post, f_comb = ops.hc_mixes(h2, W[p + ".hc_ffn_fn"], W[p + ".hc_ffn_scale"],
                                              W[p + ".hc_ffn_base"], *mix)
         x2 = ops.rms_norm(ops.hc_collapse(h2, a_pre), W[p + ".ffn_norm.weight"], cfg.norm_eps)
-        f = moe(W, cfg, p, n_act, x2, self.comm, capture)
+        f = moe(W, cfg, p, n_act, x2, self.comm, capture) if ffn is None else ffn(x2)
         out = ops.hc_post(f, h2, f_post, f_comb)
         if capture is not None:
             capture.update(attn_in=x, attn_out=a, ffn_in=x2, ffn_out=f, x_out=out, pre_mix_out=f_pre)

@@ -122,8 +122,7 @@ def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segme
     q = quant.fp4_qdq(rope.apply(q, torch.arange(s, s + n)), 32, "ue8m0")
     keys = state.ik[src][seg.slot, :clen]
     w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
-    score = ops.indexer_scores(q.unsqueeze(0), keys.unsqueeze(0), w.unsqueeze(0))
-    score = comm.index_scores(score)[0]
+    score = comm.index_scores(q.unsqueeze(0), keys.unsqueeze(0), w.unsqueeze(0))[0]
     clens = (torch.arange(s + 1, s + n + 1) // r).unsqueeze(-1)
     score = score.masked_fill(torch.arange(clen) >= clens, -torch.inf)
     if layer == cfg.candidate_source_layer:
@@ -168,13 +167,14 @@ def attention(W: dict, cfg: ModelConfig, layer: int, x: torch.Tensor, segs: list
                             idx.unsqueeze(0), hd ** -0.5)
         outs.append(o[0])
     o = rope.apply(torch.cat(outs), positions, inverse=True)
-    return comm.attn_out(grouped_out(W, p, cfg, o))
+    return grouped_out(W, p, cfg, o, comm)
 
 
-def grouped_out(W: dict, p: str, cfg: ModelConfig, o: torch.Tensor) -> torch.Tensor:
-    """o [T, H, hd] -> block-diagonal wo_a per o-group (bf16 einsum) -> wo_b -> [T, D]."""
+def grouped_out(W: dict, p: str, cfg: ModelConfig, o: torch.Tensor, comm) -> torch.Tensor:
+    """o [T, H, hd] -> block-diagonal wo_a per o-group (bf16 einsum) -> wo_b -> [T, D]; wo_b goes
+    through `comm` because it is row-parallel over the attention group (see `parallel`)."""
     T = o.shape[0]
     wo_a = W[p + ".wo_a.weight"]
     groups = wo_a.shape[0] // cfg.o_lora_rank
     o = ops.linear_bf16(o.reshape(1, T, groups, -1), wo_a.view(groups, cfg.o_lora_rank, -1))
-    return linear(W, p + ".wo_b", o.flatten(2))[0]
+    return comm.attn_out(W, p + ".wo_b", o.flatten(2))[0]

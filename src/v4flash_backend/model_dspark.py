@@ -76,7 +76,7 @@ class DSparkDrafter:
                                 idx.expand(B, -1).unsqueeze(0), hd ** -0.5)
             outs.append(o[0])
         o = rope.apply(torch.cat(outs), positions, inverse=True)
-        return grouped_out(W, p, cfg, o)
+        return grouped_out(W, p, cfg, o, self.m.comm)
 
     def draft(self, state, items, captures: dict | None = None) -> DraftOutput:
         """items: [(slot, p, anchor_id)] where p is the last position whose main-KV is in the ring
@@ -104,7 +104,8 @@ class DSparkDrafter:
         W = self.m.W
         table = W[self.last + ".markov_head.embed.weight"]
         e = table[prev_ids.long()]
-        return self.m.comm.head(ops.linear_f32(e, W[self.last + ".markov_head.head.weight"])), e
+        # replicated on every rank (no vocab gather): the engine samples drafts on rank 0 alone
+        return ops.linear_f32(e, W[self.last + ".markov_head.head.weight"]), e
 
     def confidence(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
         """Confidence logits (sigmoid -> c_k) from [hidden ; W1[prev]] (fp32 projection)."""

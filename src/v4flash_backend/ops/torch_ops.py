@@ -6,6 +6,7 @@ README section 6.1): fp32 math inside, one rounding to the output dtype where th
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -160,7 +161,7 @@ def _sparse_attn_exact(q, kv, sink, idxs, scale):
     valid = ix >= 0
     bidx = torch.arange(b).view(b, 1, 1)
     blk = kv[bidx, ix.clamp_min(0)].double() * valid.unsqueeze(-1)
-    s = torch.einsum("bmhd,bmkd->bmhk", q.double(), blk) * float(torch.tensor(scale, dtype=torch.float32))
+    s = torch.einsum("bmhd,bmkd->bmhk", q.double(), blk) * float(np.float32(scale))  # fp32-rounded, no tensor
     s = torch.where(valid.unsqueeze(2), s, -torch.inf)
     mx = torch.full((b, m, h), -1e30, dtype=torch.float64)
     if s.shape[-1]:
