@@ -25,6 +25,10 @@ $(TRITON_STAMP): $(STAMP) scripts/setup_triton.sh
 
 triton: $(TRITON_STAMP)
 
+# tritonserver on 127.0.0.1 (HTTP_PORT 8000, GRPC_PORT 8001, METRICS_PORT 8002) with model_repository/
+serve:
+	bash scripts/serve.sh
+
 test: $(STAMP) $(TRITON_STAMP)
 	$(PY) -m pytest -q -ra
 

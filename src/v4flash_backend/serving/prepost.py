@@ -35,7 +35,9 @@ def find_tokenizer(params: dict[str, str], model_dir: str | Path) -> Path:
     1. its ``tokenizer_dir`` parameter (a directory holding tokenizer.json, or the file);
     2. the ``checkpoint_dir`` parameter of the engine model's config.pbtxt in the same
        repository (parameter ``engine_model_name``, default "v4flash");
-    3. the environment variable V4FLASH_CHECKPOINT_DIR.
+    3. the environment variable V4FLASH_CHECKPOINT_DIR;
+    4. the checkpoint the engine model serves by default (serving.settings: the embedded model,
+       else the golden tiny checkpoint).
     Relative paths are taken from the model repository root.
     """
     tried = []
@@ -48,6 +50,14 @@ def find_tokenizer(params: dict[str, str], model_dir: str | Path) -> Path:
         candidates.append((f"{engine}'s parameter {CHECKPOINT_PARAM}", ckpt))
     if os.environ.get(CHECKPOINT_ENV):
         candidates.append((f"${CHECKPOINT_ENV}", os.environ[CHECKPOINT_ENV]))
+    default_error = None
+    try:
+        from .settings import repository_checkpoint_dir
+
+        default, why = repository_checkpoint_dir(Path(model_dir).resolve().parent, engine)
+        candidates.append((f"default checkpoint ({why})", str(default)))
+    except Exception as e:  # no embedded or golden checkpoint either: only explicit sources apply
+        default_error = f"default checkpoint unavailable ({e})"
     for source, value in candidates:
         path = resolve_path(value, model_dir)
         if path.is_dir():
@@ -55,6 +65,8 @@ def find_tokenizer(params: dict[str, str], model_dir: str | Path) -> Path:
         if path.is_file():
             return path
         tried.append(f"{source} -> {path}")
+    if default_error:
+        tried.append(default_error)
     raise FileNotFoundError(
         "no tokenizer.json found; set the model parameter tokenizer_dir, the "
         f"{CHECKPOINT_PARAM} parameter of model {engine!r}, or ${CHECKPOINT_ENV}"

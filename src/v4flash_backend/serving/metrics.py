@@ -1,0 +1,113 @@
+"""Prometheus metrics of the `v4flash` model, on Triton's metrics port (/metrics).
+
+Created through the python backend's ``pb_utils.MetricFamily`` (passed in as ``pb``, so
+tests can pass a stand-in with the same API: ``MetricFamily(name, description, kind)``
+with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
+``metric.increment / set / observe``). Names follow vllm_backend's ``vllm:*`` family
+(utils/metrics.py) with our prefix; every metric carries labels model and version.
+
+  v4flash:time_to_first_token_seconds   histogram  arrival -> first token from the engine (streamed or not)
+  v4flash:inter_token_latency_seconds   histogram  one observation per token after the first:
+                                                   gap between responses / tokens in the later
+                                                   one (a speculative chunk of 3 tokens counts
+                                                   3 x gap/3, so sum/count is the mean TPOT)
+  v4flash:e2e_request_latency_seconds   histogram  arrival -> final response
+  v4flash:prompt_tokens_total           counter
+  v4flash:generation_tokens_total       counter
+  v4flash:draft_tokens_total            counter    DSpark draft tokens proposed
+  v4flash:accepted_draft_tokens_total   counter    of those, accepted
+  v4flash:requests_finished_total       counter    label reason: stop|length|cancelled|error
+  v4flash:requests_in_flight            gauge      requests with a FINAL response still to send
+  v4flash:kv_slots_in_use               gauge      engine KV slots held (refreshed periodically)
+  v4flash:kv_slots_total                gauge      max_num_seqs
+"""
+
+from __future__ import annotations
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class ServingMetrics:
+    """All metric objects of one model instance; method names say what happened."""
+
+    def __init__(self, pb, model: str, version: str):
+        labels = {"model": model, "version": str(version)}
+        F = pb.MetricFamily
+        self._families = []
+
+        def family(name, description, kind):
+            fam = F(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        self.ttft = family("v4flash:time_to_first_token_seconds", "Time to first token (seconds)",
+                           F.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.itl = family("v4flash:inter_token_latency_seconds",
+                          "Latency between generated tokens (seconds; chunk gap / tokens in the chunk)",
+                          F.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS)
+        self.e2e = family("v4flash:e2e_request_latency_seconds", "Request latency, arrival to final (seconds)",
+                          F.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS)
+        self.prompt_tokens = family("v4flash:prompt_tokens_total", "Prompt tokens processed",
+                                    F.COUNTER).Metric(labels=labels)
+        self.generation_tokens = family("v4flash:generation_tokens_total", "Tokens generated",
+                                        F.COUNTER).Metric(labels=labels)
+        self.draft_tokens = family("v4flash:draft_tokens_total", "DSpark draft tokens proposed",
+                                   F.COUNTER).Metric(labels=labels)
+        self.accepted_tokens = family("v4flash:accepted_draft_tokens_total",
+                                      "DSpark draft tokens accepted by verification", F.COUNTER).Metric(labels=labels)
+        finished = family("v4flash:requests_finished_total", "Finished requests by finish reason", F.COUNTER)
+        self.finished = {r: finished.Metric(labels=dict(labels, reason=r)) for r in FINISH_REASONS}
+        self.in_flight = family("v4flash:requests_in_flight", "Requests whose final response is not sent yet",
+                                F.GAUGE).Metric(labels=labels)
+        self.slots_in_use = family("v4flash:kv_slots_in_use", "Engine KV slots held by requests",
+                                   F.GAUGE).Metric(labels=labels)
+        self.slots_total = family("v4flash:kv_slots_total", "Engine KV slots (max_num_seqs)",
+                                  F.GAUGE).Metric(labels=labels)
+
+    # ---- events --------------------------------------------------------------------------------
+    def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
+        """``n`` generated tokens sent in one response; ``gap_s`` since the previous response
+        that carried tokens (None: this is the first). Observations are chosen so that the
+        ITL histogram's sum/count is (e2e - TTFT) / (tokens - 1), genai-perf's definition:
+        the tokens that come with the first one add zeros, a later chunk of n tokens adds
+        n observations of gap/n."""
+        if n <= 0:
+            return
+        self.generation_tokens.increment(n)
+        if gap_s is None:
+            self.ttft.observe(since_arrival_s)
+            values = [0.0] * (n - 1)
+        else:
+            values = [gap_s / n] * n
+        for v in values:
+            self.itl.observe(v)
+
+    def on_speculation(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.draft_tokens.increment(drafted)
+        if accepted > 0:
+            self.accepted_tokens.increment(accepted)
+
+    def on_prompt(self, n: int) -> None:
+        self.prompt_tokens.increment(n)
+
+    def on_finished(self, reason: str, e2e_s: float) -> None:
+        self.finished.get(reason, self.finished["error"]).increment(1)
+        self.e2e.observe(e2e_s)
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight.set(n)
+
+    def set_slots(self, in_use: int, total: int) -> None:
+        self.slots_in_use.set(in_use)
+        self.slots_total.set(total)
+
+    def close(self) -> None:
+        # Metric objects must go before their families (the stub refuses otherwise).
+        for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
+                     "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total"):
+            setattr(self, name, None)
+        self._families.clear()

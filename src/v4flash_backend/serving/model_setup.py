@@ -1,0 +1,59 @@
+"""Builds everything the `v4flash` Triton model holds, from its initialize() arguments.
+
+Kept out of model.py so the model file stays a thin adapter and so the same wiring can
+run without a server (tests/test_serving.py drives it with an in-process engine).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from tokenizers import Tokenizer
+
+from .backend import make_backend
+from .detok import StreamDetokenizer
+from .metrics import ServingMetrics
+from .request import RequestParser
+from .service import GenerateService
+from .settings import ServingSettings
+
+
+def load_tokenizer(path: Path, log: Callable[[str], None]) -> Tokenizer | None:
+    if not path.is_file():
+        log(f"[v4flash] no tokenizer at {path}: text_input is disabled (send input_ids)")
+        return None
+    return Tokenizer.from_file(str(path))
+
+
+def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash", model_version: str = "1",
+                  metric_api=None, log: Callable[[str], None] = print, backend=None) -> GenerateService:
+    """The model's `GenerateService` (backend launched, tokenizer loaded, metrics registered).
+
+    ``metric_api``: ``pb_utils`` (its MetricFamily) or None for no metrics. ``backend``:
+    an already built backend (tests); default: the one the parameters ask for.
+    """
+    settings = ServingSettings.from_model_config(model_config, model_dir)
+    log(f"[v4flash] checkpoint {settings.checkpoint_dir} ({settings.checkpoint_source}); "
+        f"world_size={settings.world_size} ops={settings.ops_backend} max_num_seqs={settings.max_num_seqs} "
+        f"max_model_len={settings.max_model_len} dspark={settings.dspark} launcher={settings.launcher}")
+    tokenizer = load_tokenizer(settings.tokenizer_path, log)
+    metrics = None
+    if metric_api is not None:
+        try:
+            metrics = ServingMetrics(metric_api, model_name, model_version)
+        except Exception as exc:  # server started with --allow-metrics=false
+            log(f"[v4flash] metrics disabled: {exc}")
+    if backend is None:
+        backend = make_backend(settings, log)
+    tokenize = None
+    if tokenizer is not None:
+        add = settings.add_special_tokens
+        tokenize = lambda text: tokenizer.encode(text, add_special_tokens=add).ids  # noqa: E731
+    parser = RequestParser(backend.vocab_size, settings.max_model_len, settings.default_max_tokens, tokenize)
+    detok = StreamDetokenizer(tokenizer, settings.skip_special_tokens) if tokenizer is not None else None
+    service = GenerateService(backend, parser, detok, metrics, log, stats_interval_s=settings.stats_interval_s)
+    service.settings = settings
+    if metrics is not None:
+        metrics.set_slots(0, settings.max_num_seqs)
+    return service

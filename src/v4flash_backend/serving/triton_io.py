@@ -1,0 +1,58 @@
+"""The `v4flash` model's Triton inputs and outputs, in one place.
+
+model_repository/v4flash/config.pbtxt declares them; ``auto_complete_config`` adds any the
+config leaves out; tests/test_serving.py checks that the two agree. The input side keeps
+vllm_backend's names (text_input, stream, sampling_parameters, exclude_input_in_output) so
+Triton's OpenAI frontend and genai-perf's vllm mode can talk to it, plus typed sampling
+inputs (the TRT-LLM ensemble's names) that the v4flash_text ensemble maps through.
+"""
+
+from __future__ import annotations
+
+# (name, data_type, dims, optional)
+INPUTS = (
+    ("input_ids", "TYPE_INT32", [-1], True),  # exactly one of input_ids / text_input
+    ("text_input", "TYPE_STRING", [1], True),
+    ("stream", "TYPE_BOOL", [1], True),
+    ("sampling_parameters", "TYPE_STRING", [1], True),
+    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    ("max_tokens", "TYPE_INT32", [1], True),
+    ("temperature", "TYPE_FP32", [1], True),
+    ("top_p", "TYPE_FP32", [1], True),
+    ("top_k", "TYPE_INT32", [1], True),
+    ("seed", "TYPE_UINT64", [1], True),
+    ("stop_token_ids", "TYPE_INT32", [-1], True),
+    ("ignore_eos", "TYPE_BOOL", [1], True),
+)
+
+# (name, data_type, dims); text_output only in responses to text_input requests.
+OUTPUTS = (
+    ("output_ids", "TYPE_INT32", [-1]),
+    ("context_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+    ("num_input_tokens", "TYPE_UINT32", [1]),
+    ("num_output_tokens", "TYPE_UINT32", [-1]),
+    ("num_drafted_tokens", "TYPE_UINT32", [1]),
+    ("num_accepted_tokens", "TYPE_UINT32", [1]),
+    ("text_output", "TYPE_STRING", [-1]),
+)
+
+INPUT_NAMES = tuple(name for name, *_ in INPUTS)
+
+
+def auto_complete(auto_complete_model_config):
+    """What ``TritonPythonModel.auto_complete_config`` does: decoupled, max_batch_size 0
+    (the engine batches, not Triton), and every input/output the config does not name."""
+    cfg = auto_complete_model_config
+    cfg.set_model_transaction_policy(dict(decoupled=True))
+    cfg.set_max_batch_size(0)
+    config = cfg.as_dict()
+    have_in = {i["name"] for i in config.get("input", [])}
+    have_out = {o["name"] for o in config.get("output", [])}
+    for name, dtype, dims, optional in INPUTS:
+        if name not in have_in:
+            cfg.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": optional})
+    for name, dtype, dims in OUTPUTS:
+        if name not in have_out:
+            cfg.add_output({"name": name, "data_type": dtype, "dims": dims})
+    return cfg

@@ -1,0 +1,595 @@
+"""The v4flash model's serving layer without a server: parameters and checkpoint lookup,
+request parsing and validation, response building, the request loop (FINAL always sent,
+errors, cancellation, metrics), and the Triton I/O declaration against config.pbtxt.
+
+The request loop runs against a scripted backend (events chosen by the test) and, once,
+against the real engine in process on the golden tiny checkpoint.
+"""
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from v4flash_backend.serving import triton_io
+from v4flash_backend.serving.detok import StreamDetokenizer
+from v4flash_backend.serving.metrics import ServingMetrics
+from v4flash_backend.serving.request import GenerateRequest, RequestParser, ServingError
+from v4flash_backend.serving.response import OUTPUT_NAMES, ResponseBuilder
+from v4flash_backend.serving.service import GenerateService
+from v4flash_backend.serving.settings import (CHECKPOINT_ENV, ServingSettings, default_checkpoint_dir,
+                                              resolve_checkpoint_dir)
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO.parent / "shared" / "golden" / "v41-tiny"
+V = 1024
+
+
+def i32(*v):
+    return np.array(v, dtype=np.int32)
+
+
+def parser(max_model_len=32, tokenize=None):
+    return RequestParser(V, max_model_len, default_max_tokens=16, tokenize=tokenize)
+
+
+def bad(inputs, match, parameters=None, p=None):
+    with pytest.raises(ServingError, match=match) as info:
+        (p or parser()).parse(inputs, parameters)
+    assert info.value.code == "INVALID_ARG"
+
+
+# ---- settings ---------------------------------------------------------------------------------
+def _ckpt(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_checkpoint_lookup_order(tmp_path, monkeypatch):
+    """parameter > $V4FLASH_CHECKPOINT_DIR > models/v4flash-tiny > ../shared/golden/v41-tiny,
+    each relative to the model repository root; a named directory without config.json is an
+    error, not a silent fallback."""
+    root = tmp_path / "repo"
+    model_dir = root / "model_repository" / "v4flash"
+    model_dir.mkdir(parents=True)
+    golden = _ckpt(tmp_path / "shared" / "golden" / "v41-tiny")
+    monkeypatch.delenv(CHECKPOINT_ENV, raising=False)
+    path, why = resolve_checkpoint_dir("", model_dir)
+    assert path == golden and "falling back to the golden" in why
+    embedded = _ckpt(root / "models" / "v4flash-tiny")
+    assert default_checkpoint_dir(root / "model_repository")[0] == embedded
+    assert resolve_checkpoint_dir("", model_dir)[0] == embedded
+    env = _ckpt(tmp_path / "env")
+    monkeypatch.setenv(CHECKPOINT_ENV, str(env))
+    assert resolve_checkpoint_dir("", model_dir) == (env, f"${CHECKPOINT_ENV}")
+    param = _ckpt(root / "mine")
+    assert resolve_checkpoint_dir("../mine", model_dir) == (param, "parameter checkpoint_dir")
+    with pytest.raises(FileNotFoundError, match="missing.*parameter checkpoint_dir"):
+        resolve_checkpoint_dir("../missing", model_dir)
+
+
+def _config(**params):
+    return {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+
+
+def test_settings_parse_and_name_bad_parameters(tmp_path):
+    ckpt = _ckpt(tmp_path / "ckpt")
+    model_dir = tmp_path / "v4flash"
+    s = ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), world_size="4", max_num_seqs="2",
+                                                  max_model_len="99", dspark="false", ops_backend="nki-sim"),
+                                          model_dir)
+    assert (s.world_size, s.max_num_seqs, s.max_model_len, s.spec_mode, s.ops_backend) == (4, 2, 99, "off", "nki-sim")
+    assert s.tokenizer_path == ckpt / "tokenizer.json"
+    for key, value, match in [("world_size", "two", "'world_size' must be an integer"),
+                              ("max_num_seqs", "0", "'max_num_seqs' must be >= 1"),
+                              ("dspark", "maybe", "'dspark' must be true or false"),
+                              ("ops_backend", "cuda", "'ops_backend' must be one of torch, nki, nki-sim"),
+                              ("launcher", "ssh", "'launcher' must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), **{key: value}), model_dir)
+    with pytest.raises(ValueError, match="inprocess runs one rank"):
+        ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), launcher="inprocess", world_size="2"),
+                                          model_dir)
+
+
+# ---- request parsing --------------------------------------------------------------------------
+def test_parse_ids_defaults_and_echo_rules():
+    r = parser().parse({"input_ids": i32(0, 5, 6)})
+    assert r.prompt == [0, 5, 6] and not r.stream and r.echo  # vllm_backend: echo when not streaming
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed, r.ignore_eos) == (16, 0.0, 1.0, 0, None, False)
+    r = parser().parse({"input_ids": i32(1), "stream": np.array([True])})
+    assert r.stream and not r.echo
+    r = parser().parse({"input_ids": i32(1), "exclude_input_in_output": np.array([True])})
+    assert not r.echo
+    bad({"input_ids": i32(1), "stream": np.array([True]), "exclude_input_in_output": np.array([False])},
+        "exclude_input_in_output=false is not supported with stream=true")
+
+
+def test_sampling_priority_typed_over_json_over_request_parameters():
+    inputs = {"input_ids": i32(1, 2),
+              "sampling_parameters": np.array([json.dumps({"max_tokens": 5, "temperature": 0.5, "top_k": -1,
+                                                            "stop_token_ids": [7, 8]}).encode()], dtype=object),
+              "temperature": np.array([0.25], dtype=np.float32), "seed": np.array([2**64 - 1], dtype=np.uint64)}
+    r = parser().parse(inputs, json.dumps({"max_tokens": 9, "top_p": 0.5, "priority": 3}))
+    assert r.max_tokens == 5  # JSON over request parameters
+    assert r.temperature == 0.25  # typed over JSON
+    assert r.top_p == 0.5  # request parameter when nothing else sets it; "priority" is not ours
+    assert r.top_k == 0  # vLLM's -1 (disabled) is the engine's 0
+    assert r.seed == 2**64 - 1 and r.stop_token_ids == (7, 8)
+    assert r.sampling() == dict(max_tokens=5, temperature=0.25, top_p=0.5, top_k=0, seed=2**64 - 1,
+                                stop_token_ids=[7, 8], ignore_eos=False)
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ({}, "exactly one of input_ids .* got neither"),
+    ({"input_ids": i32(1), "text_input": np.array([b"x"], dtype=object)}, "exactly one of input_ids .* got both"),
+    ({"input_ids": i32()}, "input_ids is empty"),
+    ({"input_ids": np.arange(32, dtype=np.int32)}, "prompt has 32 tokens; max_model_len is 32"),
+    ({"input_ids": i32(1, 1024)}, r"token id 1024 in the prompt is outside the vocabulary \[0, 1024\)"),
+    ({"input_ids": i32(-1)}, "token id -1"),
+    ({"input_ids": np.array([1.0], dtype=np.float32)}, "input_ids must be INT32 token ids, got dtype float32"),
+    ({"input_ids": i32(1), "max_tokens": i32(0)}, "max_tokens must be > 0, got 0"),
+    ({"input_ids": i32(1), "max_tokens": i32(1, 2)}, "max_tokens must hold exactly one value, got 2"),
+    ({"input_ids": i32(1), "temperature": np.array([-0.1], dtype=np.float32)}, "temperature must be >= 0"),
+    ({"input_ids": i32(1), "temperature": np.array([np.nan], dtype=np.float32)}, "temperature must be >= 0"),
+    ({"input_ids": i32(1), "top_p": np.array([0.0], dtype=np.float32)}, r"top_p must be in \(0, 1\], got 0.0"),
+    ({"input_ids": i32(1), "top_p": np.array([1.5], dtype=np.float32)}, r"top_p must be in \(0, 1\], got 1.5"),
+    ({"input_ids": i32(1), "top_k": i32(-2)}, "top_k must be >= 0"),
+    ({"input_ids": i32(1), "stop_token_ids": i32(3, 2000)}, "stop token id 2000 is outside the vocabulary"),
+    ({"input_ids": i32(1), "stream": i32(1)}, "stream must be BOOL"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b"{bad"], dtype=object)},
+     "sampling_parameters is not valid JSON"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b"[1]"], dtype=object)},
+     "sampling_parameters must be a JSON object, got list"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"max_token": 3}'], dtype=object)},
+     "unsupported key.*'max_token'"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"max_tokens": -3}'], dtype=object)},
+     "max_tokens must be > 0, got -3"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"max_tokens": 2.5}'], dtype=object)},
+     "sampling_parameters.max_tokens must be an integer"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"ignore_eos": 1}'], dtype=object)},
+     "sampling_parameters.ignore_eos must be true or false"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"temperature": "hot"}'], dtype=object)},
+     "sampling_parameters.temperature must be a number"),
+    ({"input_ids": i32(1), "sampling_parameters": np.array([b'{"seed": -1}'], dtype=object)},
+     r"seed must be in \[0, 2\*\*64\)"),
+])
+def test_bad_requests_are_invalid_arg_naming_the_problem(inputs, match):
+    bad(inputs, match)
+
+
+def test_min_tokens_as_genai_perf_sends_it():
+    def parse(obj):
+        return parser().parse({"input_ids": i32(1), "sampling_parameters": np.array([json.dumps(obj).encode()],
+                                                                                    dtype=object)})
+    assert parse({"max_tokens": 7, "min_tokens": 7}).ignore_eos
+    assert not parse({"max_tokens": 7, "min_tokens": 0}).ignore_eos
+    with pytest.raises(ServingError, match="min_tokens must be 0 or equal to max_tokens"):
+        parse({"max_tokens": 7, "min_tokens": 3})
+
+
+def test_text_input_needs_a_tokenizer_and_text():
+    bad({"text_input": np.array([b"hi"], dtype=object)}, "text_input is not supported")
+    p = parser(tokenize=lambda text: [ord(c) for c in text])
+    assert p.parse({"text_input": np.array(["hé".encode()], dtype=object)}).prompt == [104, 233]
+    bad({"text_input": np.array([b""], dtype=object)}, "text_input is empty", p=p)
+    bad({"text_input": np.array([b"\xff"], dtype=object)}, "text_input is not valid UTF-8", p=p)
+    bad({"text_input": np.array([b"a", b"b"], dtype=object)}, "text_input must hold exactly one value", p=p)
+
+
+# ---- responses ------------------------------------------------------------------------------
+def _chunk(ids, ctx, reason=None, drafted=0, accepted=0):
+    return {"event": "chunk", "token_ids": ids, "context_ids": ctx, "finish_reason": reason,
+            "drafted": drafted, "accepted": accepted}
+
+
+def test_streamed_responses_carry_every_output_and_deltas():
+    b = ResponseBuilder(GenerateRequest(prompt=[0, 9], stream=True))
+    outs = [b.on_chunk(_chunk([5], [0, 9])), b.on_chunk(_chunk([6, 7], [0, 9, 5], drafted=5, accepted=1)),
+            b.on_chunk(_chunk([8], [0, 9, 5, 6, 7], "length", drafted=10, accepted=1))]
+    for out in outs:
+        assert set(out) == set(OUTPUT_NAMES)  # the ensemble pairs outputs positionally
+        assert out["output_ids"].dtype == np.int32 and out["context_ids"].dtype == np.int32
+        assert out["num_output_tokens"].dtype == np.uint32 and out["finish_reason"].dtype == object
+    assert [o["output_ids"].tolist() for o in outs] == [[5], [6, 7], [8]]
+    assert [o["context_ids"].tolist() for o in outs] == [[0, 9], [0, 9, 5], [0, 9, 5, 6, 7]]
+    assert [o["finish_reason"][0] for o in outs] == [b"", b"", b"length"]
+    assert [int(o["num_output_tokens"][0]) for o in outs] == [1, 2, 1]
+    assert [int(o["num_drafted_tokens"][0]) for o in outs] == [0, 5, 5]  # deltas of cumulative 0, 5, 10
+    assert [int(o["num_accepted_tokens"][0]) for o in outs] == [0, 1, 0]
+    assert all(int(o["num_input_tokens"][0]) == 2 for o in outs)
+
+
+def test_non_streamed_is_one_response_with_or_without_the_prompt():
+    prompt = list(range(1, 12))
+    for echo in (False, True):
+        b = ResponseBuilder(GenerateRequest(prompt=prompt, stream=False, echo=echo))
+        assert b.on_chunk(_chunk([20], prompt[-8:], drafted=3)) is None
+        out = b.on_chunk(_chunk([21, 22], [0], "stop", drafted=8, accepted=2))
+        assert out["output_ids"].tolist() == (prompt if echo else []) + [20, 21, 22]
+        assert out["context_ids"].tolist() == ([] if echo else prompt[-8:])
+        assert int(out["num_output_tokens"][0]) == 3 and int(out["num_drafted_tokens"][0]) == 8
+        assert int(out["num_accepted_tokens"][0]) == 2 and out["finish_reason"][0] == b"stop"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(str(GOLDEN / "tokenizer.json"))
+
+
+def test_streamed_text_concatenates_to_the_non_streamed_text(tokenizer):
+    """Chunks that split multi-byte characters: the streamed text_output deltas add up to the
+    non-streamed text_output, which is the tokenizer's decode of all generated ids."""
+    detok = StreamDetokenizer(tokenizer)
+    prompt_text = "Say:"
+    prompt = tokenizer.encode(prompt_text).ids
+    gen = tokenizer.encode("东京 😀 é!", add_special_tokens=False).ids
+    assert len(gen) >= 6
+    cuts = [0, 1, 3, 4, len(gen) - 1, len(gen)]
+    req = dict(prompt=prompt, prompt_text=prompt_text)
+    s = ResponseBuilder(GenerateRequest(stream=True, **req), detok)
+    n = ResponseBuilder(GenerateRequest(stream=False, **req), detok)
+    e = ResponseBuilder(GenerateRequest(stream=False, echo=True, **req), detok)
+    streamed, seq = [], list(prompt)
+    for a, z in zip(cuts, cuts[1:]):
+        ev = _chunk(gen[a:z], seq[-8:], "stop" if z == len(gen) else None)
+        seq += gen[a:z]
+        streamed.append(s.on_chunk(ev)["text_output"][0].decode())
+        whole, echoed = n.on_chunk(ev), e.on_chunk(ev)
+    assert "".join(streamed) == whole["text_output"][0].decode() == tokenizer.decode(gen)
+    assert echoed["text_output"][0].decode() == prompt_text + tokenizer.decode(gen)
+    assert "\ufffd" not in "".join(streamed)
+
+
+# ---- the request loop -----------------------------------------------------------------------
+class FakeMetric:
+    def __init__(self):
+        self.value, self.observed = 0.0, []
+
+    def increment(self, v):
+        self.value += v
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' spelling
+        assert (self.kind == "histogram") == (buckets is not None)
+        return FakeMetric()
+
+
+class FakePb:
+    MetricFamily = FakeFamily
+
+
+class ScriptedBackend:
+    """Answers each submitted request with the events the test scripted for it."""
+
+    vocab_size = V
+
+    def __init__(self, script=None):
+        self.script = script or (lambda req: [])
+        self.submitted, self.cancelled, self.callbacks = [], [], {}
+        self.slots = 0
+
+    def submit(self, req, rid, on_event):
+        self.submitted.append(rid)
+        self.callbacks[rid] = on_event
+        for ev in self.script(req):
+            on_event(ev)
+
+    def cancel(self, rid):
+        self.cancelled.append(rid)
+        self.callbacks[rid](_chunk([], [], "cancelled"))
+
+    def stats(self):
+        return {"slots_in_use": self.slots, "slots_total": 4}
+
+    def close(self):
+        pass
+
+
+class Sink:
+    def __init__(self):
+        self.sent, self.cancelled = [], False
+        self.done = threading.Event()
+
+    def send(self, outputs, error, final):
+        self.sent.append((outputs, error, final))
+        if final:
+            self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def wait(self):
+        assert self.done.wait(10), self.sent
+        time.sleep(0.05)  # a second FINAL would arrive now
+        return self.sent
+
+
+def _service(backend, metrics=None):
+    return GenerateService(backend, parser(), None, metrics, log=lambda m: None, poll_s=0.01, stats_interval_s=0.02)
+
+
+def test_every_request_gets_exactly_one_final():
+    script = lambda req: [_chunk([3], [0]), _chunk([4, 5], [0, 3], drafted=5, accepted=1),  # noqa: E731
+                          _chunk([6], [0, 3, 4, 5], "stop", drafted=10, accepted=1)]
+    svc = _service(ScriptedBackend(script))
+    try:
+        ok, rejected = Sink(), Sink()
+        svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, ok)
+        svc.handle({"input_ids": i32(0), "top_p": np.array([2.0], dtype=np.float32)}, None, rejected)
+        sent = ok.wait()
+        assert [final for _, _, final in sent] == [False, False, True]
+        assert [o["output_ids"].tolist() for o, _, _ in sent] == [[3], [4, 5], [6]]
+        assert all(err is None for _, err, _ in sent)
+        [(outputs, err, final)] = rejected.wait()
+        assert outputs is None and final and err.code == "INVALID_ARG" and "top_p" in err.message
+        assert svc.in_flight() == 0
+    finally:
+        svc.close()
+
+
+def test_engine_errors_and_cancellation_end_with_final_error():
+    backend = ScriptedBackend(lambda req: [] if req.max_tokens == 16 else
+                              [_chunk([3], [0]), {"event": "error", "code": "UNAVAILABLE", "message": "rank died"}])
+    pb = FakePb()
+    metrics = ServingMetrics(pb, "v4flash", "1")
+    svc = _service(backend, metrics)
+    try:
+        failing = Sink()
+        svc.handle({"input_ids": i32(0), "stream": np.array([True]), "max_tokens": i32(4)}, None, failing)
+        sent = failing.wait()
+        assert [final for _, _, final in sent] == [False, True]
+        assert sent[-1][1].code == "UNAVAILABLE" and sent[-1][1].message == "rank died"
+        # A request the engine holds until the client cancels: the poll notices the cancellation,
+        # the backend is told, and the engine's final "cancelled" becomes a CANCELLED error.
+        waiting = Sink()
+        rid = svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, waiting)
+        time.sleep(0.05)
+        assert not waiting.sent and svc.in_flight() == 1 and metrics.in_flight.value == 1
+        waiting.cancelled = True
+        [(outputs, err, final)] = waiting.wait()
+        assert backend.cancelled == [rid] and final and outputs is None and err.code == "CANCELLED"
+        assert svc.in_flight() == 0 and metrics.in_flight.value == 0
+        assert metrics.finished["cancelled"].value == 1 and metrics.finished["error"].value == 1
+        backend.slots = 3
+        time.sleep(0.1)
+        assert metrics.slots_in_use.value == 3 and metrics.slots_total.value == 4
+    finally:
+        svc.close()
+
+
+def test_metrics_follow_the_tokens_sent():
+    script = lambda req: [_chunk([3], [0]), _chunk([4, 5, 6], [0, 3], drafted=5, accepted=2),  # noqa: E731
+                          _chunk([7], [0], "length", drafted=10, accepted=2)]
+    m = ServingMetrics(FakePb(), "v4flash", "1")
+    svc = _service(ScriptedBackend(script), m)
+    try:
+        t0 = time.monotonic()
+        sink = Sink()
+        svc.handle({"input_ids": i32(0, 1, 2), "stream": np.array([True])}, None, sink)
+        sink.wait()
+        elapsed = time.monotonic() - t0
+        assert len(m.ttft.observed) == 1 and 0 <= m.ttft.observed[0] <= elapsed
+        # 5 tokens: the first is TTFT; a chunk of 3 gives 3 observations of gap/3; the last one 1.
+        itl = m.itl.observed
+        assert len(itl) == 4 and itl[0] == itl[1] == itl[2] and sum(itl) <= elapsed
+        assert m.prompt_tokens.value == 3 and m.generation_tokens.value == 5
+        assert m.draft_tokens.value == 10 and m.accepted_tokens.value == 2
+        assert m.finished["length"].value == 1 and len(m.e2e.observed) == 1
+    finally:
+        svc.close()
+
+
+def test_a_failing_client_still_frees_the_engine_side():
+    class BrokenSink(Sink):
+        def send(self, outputs, error, final):
+            super().send(outputs, error, final)
+            raise RuntimeError("stream closed")
+
+    backend = ScriptedBackend(lambda req: [_chunk([3], [0])])  # then the engine keeps going
+    svc = _service(backend)
+    try:
+        sink = BrokenSink()
+        rid = svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, sink)
+        sink.wait()
+        assert backend.cancelled == [rid] and svc.in_flight() == 0
+        assert [final for _, _, final in sink.sent] == [False, True]
+    finally:
+        svc.close()
+
+
+def test_in_process_engine_streams_what_it_returns_whole(tokenizer):
+    """The real engine (golden tiny checkpoint, DSpark off for speed) behind the service:
+    streamed ids and text equal the non-streamed ones, in one batch of concurrent requests."""
+    from v4flash_backend.serving.model_setup import build_service
+
+    cfg = _config(checkpoint_dir=str(GOLDEN), launcher="inprocess", max_num_seqs="3", max_model_len="48",
+                  dspark="false")
+    svc = build_service(cfg, str(REPO / "model_repository" / "v4flash"), metric_api=FakePb(), log=lambda m: None)
+    try:
+        common = {"text_input": np.array(["Once upon a time".encode()], dtype=object),
+                  "max_tokens": i32(6), "ignore_eos": np.array([True]), "exclude_input_in_output": np.array([True])}
+        sinks = [Sink(), Sink()]
+        svc.handle(dict(common, stream=np.array([True])), None, sinks[0])
+        svc.handle(dict(common, stream=np.array([False])), None, sinks[1])
+        streamed, whole = sinks[0].wait(), sinks[1].wait()
+    finally:
+        svc.close()
+    assert all(err is None for _, err, _ in streamed + whole)
+    ids = [t for o, _, _ in streamed for t in o["output_ids"].tolist()]
+    assert len(ids) == 6 and ids == whole[0][0]["output_ids"].tolist()
+    text = "".join(o["text_output"][0].decode() for o, _, _ in streamed)
+    assert text == whole[0][0]["text_output"][0].decode() == tokenizer.decode(ids)
+
+
+# ---- the rank-group backend ---------------------------------------------------------------
+class FakeGroup:
+    """Stands in for rank_group.RankGroup: records launches, submissions and shutdowns."""
+
+    launched = []
+
+    def __init__(self):
+        self.alive, self.failure, self.launch_args = True, None, {}
+        self.pids, self.log_path, self.info = [123], "group.log", {}
+        self.submitted, self.cancelled, self.shut_down = [], [], False
+
+    @classmethod
+    def launch(cls, checkpoint, world_size, **kw):
+        g = cls()
+        cls.launched.append((checkpoint, world_size, kw, g))
+        return g
+
+    def submit(self, prompt, params, request_id=None, callback=None):
+        self.submitted.append((prompt, params, request_id, callback))
+
+        class Done:
+            @staticmethod
+            def result(timeout=None):
+                return {"error": None, "code": None, "token_ids": [1, 2], "finish_reason": "length"}
+        return Done()
+
+    def cancel(self, rid):
+        self.cancelled.append(rid)
+
+    def stats(self, timeout=None):
+        return {"event": "stats", "engine": {"slots_in_use": 2, "slots_total": 4}, "world_size": 1}
+
+    def shutdown(self, timeout=None):
+        self.shut_down = True
+        self.alive = False
+
+
+def test_rank_group_backend_launches_warms_up_forwards_and_restarts(monkeypatch):
+    from v4flash_backend.serving import rank_group_backend as rgb
+
+    FakeGroup.launched = []
+    monkeypatch.setattr(rgb, "RankGroup", FakeGroup)
+    settings = ServingSettings(checkpoint_dir=GOLDEN, world_size=2, max_num_seqs=3, max_model_len=77,
+                               dspark=False, sps_path="/tmp/sps.json")
+    logs = []
+    backend = rgb.RankGroupBackend(settings, logs.append, watchdog_interval_s=0.02)
+    try:
+        assert backend.vocab_size == V  # from the checkpoint's config.json
+        [(ckpt, world, kw, first)] = FakeGroup.launched
+        assert (ckpt, world, kw["max_num_seqs"], kw["max_model_len"]) == (str(GOLDEN), 2, 3, 77)
+        args = kw["worker_args"]
+        assert args[args.index("--spec-mode") + 1] == "off" and args[args.index("--sps-path") + 1] == "/tmp/sps.json"
+        assert first.submitted[0][1] == {"max_tokens": 2, "ignore_eos": True}  # the warm-up request
+        req = GenerateRequest(prompt=[0, 7], max_tokens=5, seed=3, stop_token_ids=(9,))
+        backend.submit(req, "r1", print)
+        assert first.submitted[1][:3] == ([0, 7], req.sampling(), "r1")
+        assert backend.stats()["slots_in_use"] == 2
+        first.alive, first.failure = False, "rank 1 died"  # the group goes down
+        deadline = time.monotonic() + 5
+        while backend.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.restarts == 1 and len(FakeGroup.launched) == 2 and first.shut_down
+        second = FakeGroup.launched[1][3]
+        assert backend.group is second and second.submitted[0][2] == "warmup"
+        backend.cancel("r2")
+        assert second.cancelled == ["r2"] and any("rank 1 died" in m for m in logs)
+    finally:
+        backend.close()
+    assert FakeGroup.launched[-1][3].shut_down and not backend._watchdog.is_alive()
+
+
+# ---- Triton I/O declaration -----------------------------------------------------------------
+def _pbtxt_tensors(text, section):
+    body = re.search(section + r"\s*\[(.*?)\n\]", text, re.S).group(1)
+    out = []
+    for m in re.finditer(r'\{\s*name:\s*"(\w+)",\s*data_type:\s*(\w+),\s*dims:\s*\[([^\]]*)\](.*?)\}', body):
+        out.append((m.group(1), m.group(2), [int(d) for d in m.group(3).split(",")], "optional: true" in m.group(4)))
+    return out
+
+
+def test_config_pbtxt_matches_the_declared_io():
+    text = (REPO / "model_repository/v4flash/config.pbtxt").read_text()
+    assert _pbtxt_tensors(text, "input") == [tuple(i) for i in triton_io.INPUTS]
+    assert [t[:3] for t in _pbtxt_tensors(text, "output")] == [tuple(o) for o in triton_io.OUTPUTS]
+    assert "decoupled: true" in text and "max_batch_size: 0" in text and "KIND_MODEL" in text
+    # The ensemble reads exactly the outputs every data response carries.
+    ensemble = (REPO / "model_repository/v4flash_text/config.pbtxt").read_text()
+    step = ensemble[ensemble.index('model_name: "v4flash"'):ensemble.index('model_name: "postprocessing"')]
+    assert set(re.findall(r'output_map \{ key: "(\w+)"', step)) == set(OUTPUT_NAMES)
+    assert set(re.findall(r'input_map \{ key: "(\w+)"', step)) <= set(triton_io.INPUT_NAMES)
+
+
+def test_auto_complete_adds_only_what_is_missing():
+    class Cfg:
+        def __init__(self):
+            self.d = {"input": [{"name": "input_ids"}], "output": []}
+            self.policy = self.batch = None
+
+        def set_model_transaction_policy(self, p):
+            self.policy = p
+
+        def set_max_batch_size(self, n):
+            self.batch = n
+
+        def as_dict(self):
+            return self.d
+
+        def add_input(self, i):
+            self.d["input"].append(i)
+
+        def add_output(self, o):
+            self.d["output"].append(o)
+
+    c = triton_io.auto_complete(Cfg())
+    assert c.policy == {"decoupled": True} and c.batch == 0
+    assert [i["name"] for i in c.d["input"]] == list(triton_io.INPUT_NAMES)
+    assert [o["name"] for o in c.d["output"]] == [o[0] for o in triton_io.OUTPUTS]
+
+
+# ---- perf/run_perf_analyzer.py: the tables from a profile export ------------------------------
+def test_perf_summary_of_a_profile_export():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_perf_analyzer", REPO / "perf" / "run_perf_analyzer.py")
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    ms = 1_000_000  # export timestamps are nanoseconds
+
+    def out(n, drafted=0, accepted=0):
+        return {"num_output_tokens": n, "num_drafted_tokens": drafted, "num_accepted_tokens": accepted}
+
+    exp = {"experiment": {"mode": "concurrency", "value": 2}, "requests": [
+        # TTFT 100 ms; then 1 token after 50 ms, 3 tokens (a DSpark chunk) after 90 ms.
+        {"timestamp": 0, "response_timestamps": [100 * ms, 150 * ms, 240 * ms],
+         "response_outputs": [out(1), out(1, 5, 0), out(3, 5, 2)]},
+        # TTFT 200 ms with 2 tokens at once, then 1 token after 100 ms.
+        {"timestamp": 10 * ms, "response_timestamps": [210 * ms, 310 * ms],
+         "response_outputs": [out(2), out(1, 5, 1)]},
+        {"timestamp": 20 * ms, "response_timestamps": [], "response_outputs": []},  # never answered
+    ]}
+    r = perf.summarize_experiment(exp)
+    assert (r["concurrency"], r["requests"], r["failed"], r["tokens"]) == (2, 2, 1, 8)
+    assert r["ttft_s"][50] == pytest.approx(0.150) and r["ttft_s"][90] == pytest.approx(0.190)
+    # ITL samples: 50, 30, 30, 30 (request 1); 0, 100 (request 2) ms. Sorted 0 30 30 30 50 100:
+    # p50 at rank 2.5 -> 30, p99 at rank 4.95 -> 50 + 0.95 * 50.
+    assert r["itl_s"][50] == pytest.approx(0.030) and r["itl_s"][99] == pytest.approx(0.0975)
+    assert r["tok_per_s"] == pytest.approx(8 / 0.310)
+    # per request (tokens - 1) / (last - first response): 4 / 0.140 and 2 / 0.100.
+    assert r["tok_per_s_per_req"][50] == pytest.approx((4 / 0.140 + 2 / 0.100) / 2)
+    assert (r["drafted"], r["accepted"]) == (15, 3)
+    table = perf.format_table([r])
+    assert "150.0/190.0/199.0" in table and "3/15 (20%)" in table and "(1 failed)" in table
+    assert perf.parse_levels("1:8:2") == [1, 3, 5, 7] and perf.parse_levels("1,2,4") == [1, 2, 4]
