@@ -1,0 +1,146 @@
+"""The Neuron launch path (`neuron`), exercised on CPU up to the backend call.
+
+- settings and environment: the port's compiler flags, LNC=2, the compile caches, the nki ops with
+  'reference' numerics and the neuron torch.distributed backend; user-set variables win;
+- the Neuron-only packages are imported on that path only (a fresh interpreter that imports the
+  package, builds a StaticRunner and runs the engine has none of them loaded), and asking for the
+  neuron backend without them fails with an install hint;
+- compile_step refuses a graph with a host sync in it;
+- warm-up compiles every bucket once (progress bar, no state change), later calls reuse the graphs;
+- StaticRunner drives the engine: greedy DSpark generation equals the eager runner's token for token
+  with 2 graph executions (verify + draft) per decode step.
+"""
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from v4flash_backend import neuron, ops
+from v4flash_backend.static_step import Bucket
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_settings_and_env_carry_the_port_flags(tmp_path):
+    s = neuron.NeuronSettings(cache_dir=str(tmp_path / "cache"))
+    for flag in ("--auto-cast=none", "-O1", "--lnc=2", "--model-type=transformer"):
+        assert flag in s.compiler_args
+    assert any("--experimental-unsafe-fp8e4m3fn-as-fp8e4m3" in a for a in s.compiler_args)
+    env = neuron.neuron_env(s, local_rank=3)
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and env["NEURON_RT_VIRTUAL_CORE_SIZE"] == "2"
+    assert "--auto-cast=none" in env["NEURON_CC_FLAGS"] and "-O1" in env["NEURON_CC_FLAGS"]
+    assert env["TORCH_NEURONX_NEFF_CACHE_DIR"].startswith(str(tmp_path / "cache"))
+    assert (env["V4FLASH_OPS"], env["V4FLASH_NUMERICS"], env["V4FLASH_DIST_BACKEND"]) == ("nki", "reference", "neuron")
+    assert "NEURON_RT_VISIBLE_CORES" not in env
+    assert neuron.neuron_env(neuron.NeuronSettings(pin_core=True), 3)["NEURON_RT_VISIBLE_CORES"] == "3"
+    environ = {"V4FLASH_OPS": "nki-sim"}
+    added = neuron.apply_env(s, environ)
+    assert environ["V4FLASH_OPS"] == "nki-sim" and "V4FLASH_OPS" not in added  # user settings win
+    assert environ["NEURON_CC_FLAGS"] == env["NEURON_CC_FLAGS"] and (tmp_path / "cache").is_dir()
+
+
+def test_settings_from_env():
+    s = neuron.NeuronSettings.from_env({"NEURON_CC_FLAGS": "-O2 --lnc=2 --internal-x='a b'",
+                                        "NEURON_LOGICAL_NC_CONFIG": "1", "V4FLASH_NEURON_BACKEND": "neuron_libtorch",
+                                        "V4FLASH_NEURON_CACHE": "/tmp/c"})
+    assert s.compiler_args == ("-O2", "--lnc=1", "--internal-x=a b")
+    assert (s.lnc, s.backend, s.cache_dir) == (1, "neuron_libtorch", "/tmp/c")
+    assert neuron.NeuronSettings.from_env({}) == neuron.NeuronSettings()
+
+
+def test_neuron_backend_without_the_sdk_fails_with_a_hint():
+    if any(__import__("importlib").util.find_spec(m) for m in ("torch_neuronx", "libtorch_neuronx_lite")):
+        pytest.fail("this CPU test expects no Neuron SDK in the environment")
+    for backend in ("neuron", "neuron_libtorch"):
+        with pytest.raises(RuntimeError, match="requirements-neuron"):
+            neuron.compile_step(lambda x: x + 1, neuron.NeuronSettings(backend=backend))
+
+
+def test_compile_step_refuses_host_syncs():
+    s = neuron.NeuronSettings(backend="eager")
+    ok = neuron.compile_step(lambda x: (x * 2).sum(), s)
+    assert ok(torch.ones(3)).item() == 6.0
+    bad = neuron.compile_step(lambda x: x * x.sum().item(), s)
+    with pytest.raises(Exception, match="host syncs"):
+        bad(torch.ones(3))
+
+
+class _FakeDecoder:
+    """verify/draft/padding_plan of a StaticDecoder, cheap to compile; records the plans it saw."""
+
+    drafter = object()
+    scratch = 7
+
+    def __init__(self):
+        self.state = torch.zeros(4)
+
+    def padding_plan(self, seqs, rows):
+        z = torch.zeros(seqs, dtype=torch.long)
+        return torch.zeros(seqs, rows, dtype=torch.long), torch.full((seqs,), 7), z, z.clone()
+
+    def verify(self, tokens, slot, start, n, ctx):
+        return tokens.float().sum(-1) + ctx, tokens.float() * 2
+
+    def draft(self, taps, commit, slot, start, anchor):
+        return taps.sum(-1) + commit
+
+
+def test_warm_up_compiles_each_bucket_once():
+    buckets = [Bucket(1, 6, 64), Bucket(2, 6, 64), Bucket(2, 6, 128)]
+    g = neuron.StaticGraphs(_FakeDecoder(), buckets, neuron.NeuronSettings(backend="eager"))
+    out = io.StringIO()
+    g.warm_up(progress=out)
+    # 3 verify graphs (one per bucket) + 2 draft graphs (the context bound does not change it)
+    assert g.stats.graphs == 5 and len(g._verify) == 3 and len(g._draft) == 2
+    text = out.getvalue()
+    assert "3/3" in text and "S=2 Q=6 ctx=128" in text and text.endswith("\n")
+    tokens, slot, start, n = g.decoder.padding_plan(2, 6)
+    v, _ = g.verify(Bucket(2, 6, 128), tokens + 1, slot, start, n)
+    assert torch.equal(v, torch.full((2,), 134.0)) and g.stats.graphs == 5 and g.executions == 1
+    assert [b.ctx for b in neuron.decode_buckets(3, 1000, 6)] == [256, 512, 1000] * 3
+
+
+def test_neuron_imports_stay_on_the_neuron_path():
+    code = (
+        "import sys, torch\n"
+        "from v4flash_backend import neuron, static_step, ops\n"
+        "ops.set_backend('torch')\n"
+        "neuron.apply_env(neuron.NeuronSettings(cache_dir=sys.argv[1]), environ={})\n"
+        "g = neuron.StaticGraphs(None, [], neuron.NeuronSettings(backend='eager'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch_neuronx', 'libtorch_neuronx_lite', 'neuronxcc', 'nki', 'torch_xla'))\n"
+        "print('NEURON-MODULES', bad)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    env.pop("V4FLASH_OPS", None)
+    res = subprocess.run([sys.executable, "-c", code, "/tmp/v4flash-neuron-test-cache"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "NEURON-MODULES []" in res.stdout
+
+
+def test_static_runner_drives_the_engine(tiny_model):
+    """Greedy DSpark decoding through the static graphs (run uncompiled: backend 'none') equals the
+    eager runner's tokens exactly ('exact' numerics), with 2 graph executions per decode step."""
+    from v4flash_backend.engine import Engine, EngineConfig, Request
+    from v4flash_backend.runner import LocalRunner
+
+    ops.set_numerics("exact")
+    prompt = [0, 17, 230, 5, 99, 41, 8, 300, 12]
+
+    def run(runner):
+        eng = Engine(runner, EngineConfig(max_num_seqs=2, max_model_len=64, spec_mode="fixed", fixed_len=5))
+        ev = eng.generate(Request(prompt=list(prompt), max_tokens=10, ignore_eos=True))
+        return [t for e in ev for t in e.token_ids], eng.totals["steps"]
+
+    want, _ = run(LocalRunner(tiny_model, 3, 64))
+    sr = neuron.StaticRunner(tiny_model, 2, 64, buckets=[Bucket(1, 6, 32), Bucket(1, 6, 64)],
+                             settings=neuron.NeuronSettings(backend="none"))
+    got, steps = run(sr)
+    assert got == want and len(got) == 10
+    decode_steps = steps - 1  # the first step is the prefill (eager); the last drafts nothing (done)
+    assert decode_steps >= 1 and sr.graphs.executions == 2 * decode_steps - 1
