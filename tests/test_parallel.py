@@ -84,6 +84,12 @@ def _rank_main(out_path: str) -> None:
     res = _checks(m, coll, json.loads(os.environ["V4FLASH_TEST_CASES"]))
     if lay.rank == 0:
         torch.save(res, out_path)
+    # tear the group down before interpreter exit: gloo's threads otherwise can abort a rank
+    # ("terminate called without an active exception") while the process unwinds
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def torchrun(world: int, args: list[str], timeout: float = 600, env: dict | None = None):

@@ -19,8 +19,14 @@ def cmd_golden(args) -> int:
     from . import parallel
 
     ok, final, rep = golden_check(args.fixture, args.ops, args.numerics)
-    if not parallel.is_rank0():  # under torchrun rank 0 alone reports
-        return 0 if ok else 1
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # under torchrun: leave the group cleanly
+        dist.barrier()
+        rank0 = parallel.is_rank0()
+        dist.destroy_process_group()
+        if not rank0:  # rank 0 alone reports
+            return 0 if ok else 1
     for line in rep.lines:
         if args.verbose or not line.startswith("ok "):
             print(line)
