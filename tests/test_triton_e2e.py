@@ -231,7 +231,9 @@ def test_text_streams_over_grpc_equal_the_non_streamed_text(server, tokenizer):
     ids = [t for c in direct_s for t in c.output_ids]
     text = "".join(c.text for c in direct_s)
     assert len(ids) == N and text == tokenizer.decode(ids)
-    assert len(direct_s) > 1 and len(ens_s) == len(direct_s)
+    # chunk boundaries follow DSpark acceptance, which the batch-wide admission makes depend on
+    # the concurrent requests: compare tokens and text, not the number of chunks
+    assert len(direct_s) > 1 and len(ens_s) > 1
     assert direct_w[0].text == text and [t for c in ens_s for t in c.output_ids] == ids
     assert "".join(c.text for c in ens_s) == text == ens_w[0].text
     # Without exclude_input_in_output the non-streamed text starts with the prompt.
