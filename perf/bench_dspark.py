@@ -42,9 +42,33 @@ def default_checkpoint() -> Path:
     return tiny if (tiny / "config.json").exists() else REPO.parent / "shared" / "golden" / "v41-tiny"
 
 
+def heldout_prompts(tok, n: int, length: int = 64) -> list[list[int]] | None:
+    """Prompts cut from the embedded model's held-out corpus files (never trained on), or None
+    when the corpus is not available (another checkpoint's tokenizer is fine too)."""
+    try:
+        from v4flash_backend.train_corpus import load_corpus
+    except ImportError:
+        return None
+    try:
+        _, held = load_corpus()
+    except Exception:
+        return None
+    ids = [t for f in held for t in tok.encode(f.text, add_special_tokens=False).ids]
+    if len(ids) < n * length * 2:
+        return None
+    step = (len(ids) - length) // n
+    return [[0] + ids[i * step + 7:i * step + 7 + length] for i in range(n)]
+
+
 def prompts_for(ckpt: Path, model, n: int) -> list[list[int]]:
     cfg = model.cfg
     tok_path = ckpt / "tokenizer.json"
+    if tok_path.exists() and (ckpt / "MODEL_CARD.md").exists():
+        from tokenizers import Tokenizer
+
+        held = heldout_prompts(Tokenizer.from_file(str(tok_path)), max(n, 6))
+        if held is not None:
+            return held[:n]
     if tok_path.exists():
         from tokenizers import Tokenizer
 
