@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from v4flash_backend import ops  # noqa: E402
-from v4flash_backend.engine import Engine, EngineConfig, Request  # noqa: E402
-from v4flash_backend.loading import load_model  # noqa: E402
-from v4flash_backend.runner import LocalRunner  # noqa: E402
+from v4flash_backend.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from v4flash_backend.engine.runner import LocalRunner  # noqa: E402
+from v4flash_backend.model.loading import load_model  # noqa: E402
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -46,7 +46,7 @@ def heldout_prompts(tok, n: int, length: int = 64) -> list[list[int]] | None:
     """Prompts cut from the embedded model's held-out corpus files (never trained on), or None
     when the corpus is not available (another checkpoint's tokenizer is fine too)."""
     try:
-        from v4flash_backend.train_corpus import load_corpus
+        from v4flash_backend.training.corpus import load_corpus
     except ImportError:
         return None
     try:

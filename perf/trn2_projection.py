@@ -10,7 +10,7 @@ We cannot run a trn2 here, so this script
    bytes (a counting `LocalComm`), weight bytes read through the op seam and the tables, and KV bytes
    read from the per-slot state,
 3. turns those into the release model's per-rank numbers at W = 64 (weight bytes from the release
-   inventory sharded by `parallel.shard_spec`; collective payloads scaled by the release widths; KV
+   inventory sharded by `parallel.layout.shard_spec`; collective payloads scaled by the release widths; KV
    bytes measured directly, since the KV geometry is the release's), and
 4. projects the step time from the port's measured constants, beside the port's own figures.
 
@@ -35,9 +35,9 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from v4flash_backend import ops  # noqa: E402
 from v4flash_backend.config import ModelConfig  # noqa: E402
-from v4flash_backend.model import LocalComm, V41Model  # noqa: E402
-from v4flash_backend.model_state import ModelState, make_segments  # noqa: E402
-from v4flash_backend.static_step import HostSyncCounter, StaticDecoder  # noqa: E402
+from v4flash_backend.model.state import ModelState, make_segments  # noqa: E402
+from v4flash_backend.model.transformer import LocalComm, V41Model  # noqa: E402
+from v4flash_backend.trn2.static_step import HostSyncCounter, StaticDecoder  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 RELEASE_JSON = SHARED / "configs" / "deepseek-v4.1-flash.json"
@@ -67,7 +67,11 @@ def release_config() -> ModelConfig:
 
 def structure_config(release: ModelConfig, tokenizer) -> ModelConfig:
     """The release's layer structure and KV geometry with CPU-sized widths (see module docstring)."""
-    from v4flash_backend.engram_hash import bucket_primes, build_compressed_token_map, table_rows
+    from v4flash_backend.model.engram_hash import (
+        bucket_primes,
+        build_compressed_token_map,
+        table_rows,
+    )
 
     _, cvocab = build_compressed_token_map(tokenizer)
     d = release.to_dict()
@@ -87,8 +91,12 @@ def build_random_model(cfg: ModelConfig, tokenizer_path: Path = TOKENIZER, seed:
     export, then the loader's conversions) and the Engram hasher of `tokenizer_path`."""
     from tokenizers import Tokenizer
 
-    from v4flash_backend.engram_hash import EngramHasher
-    from v4flash_backend.train_params import export_tensors, inference_weights, init_masters
+    from v4flash_backend.model.engram_hash import EngramHasher
+    from v4flash_backend.training.params import (
+        export_tensors,
+        inference_weights,
+        init_masters,
+    )
 
     with torch.no_grad():
         W = inference_weights(cfg, export_tensors(cfg, init_masters(cfg, seed)))
@@ -225,7 +233,7 @@ _INVENTORIES: dict[int, tuple] = {}
 
 def _inventory(cfg: ModelConfig) -> dict:
     """train_params.inventory, built once per config object (the release one has ~70k names)."""
-    from v4flash_backend.train_params import inventory
+    from v4flash_backend.training.params import inventory
 
     hit = _INVENTORIES.get(id(cfg))
     if hit is None or hit[0] is not cfg:
@@ -235,10 +243,10 @@ def _inventory(cfg: ModelConfig) -> dict:
 
 def tensor_bytes(name: str, cfg: ModelConfig, rank: int = 0, world: int = 1) -> int:
     """Bytes of the in-memory tensor `name` (the loader's form, `weights.convert`) on rank `rank`
-    of a `world`-rank placement (`parallel.shard_spec`), from the checkpoint inventory."""
+    of a `world`-rank placement (`parallel.layout.shard_spec`), from the checkpoint inventory."""
     import re
 
-    from v4flash_backend.parallel import FULL, Layout, shard_spec
+    from v4flash_backend.parallel.layout import FULL, Layout, shard_spec
 
     inv = _inventory(cfg)
     is_scale = name.endswith(".scale")
@@ -276,7 +284,7 @@ def _release_name(name: str, small: ModelConfig, release: ModelConfig, world: in
     rank 0's shard (the per-expert read pattern is identical under the dense MoE)."""
     import re
 
-    from v4flash_backend.parallel import Layout
+    from v4flash_backend.parallel.layout import Layout
 
     m = re.match(r"(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(.+)$", name)
     if not m:
@@ -392,7 +400,7 @@ ASSUMPTIONS = [
     "HBM 716 GB/s per LNC=2 logical core (trn2: 2.9 TB/s per chip, 4 logical cores); weights and KV "
     "are streamed once per use, nothing stays on-chip between uses; compute hides under the streaming.",
     "Weights in the loader's in-memory formats (fp8 / MXFP4 with e8m0 scales, bf16, fp32 for head-like "
-    "tensors), sharded as parallel.shard_spec places them for rank 0 of 64.",
+    "tensors), sharded as parallel.layout.shard_spec places them for rank 0 of 64.",
     "Dense local experts: every one of rank 0's experts reads its weights each MoE layer.",
     "KV read at the context bound --ctx for every sequence (compressed reads are bounded per bucket).",
     "tau (tokens committed per DSpark step) = the port's measured 2.75; 1 without DSpark.",

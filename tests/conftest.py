@@ -21,7 +21,7 @@ def golden_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(golden_dir):
     from v4flash_backend import ops
-    from v4flash_backend.loading import load_model
+    from v4flash_backend.model.loading import load_model
 
     ops.set_numerics("exact")
     return load_model(golden_dir)

@@ -15,8 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import v4flash_backend.checkpoint as ckpt
-from v4flash_backend.checkpoint import CheckpointError, CheckpointReader, shard_range, write_checkpoint
+import v4flash_backend.formats.checkpoint as ckpt
+from v4flash_backend.formats.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    shard_range,
+    write_checkpoint,
+)
 
 GOLDEN = Path("/work/shared/golden/v41-tiny")
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -234,7 +239,7 @@ _RSS_PROBE = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, sys.argv[1])
-    from v4flash_backend.checkpoint import CheckpointReader
+    from v4flash_backend.formats.checkpoint import CheckpointReader
 
     def reset_peak():
         # writing 5 to clear_refs resets VmHWM (peak RSS) to the current RSS (Linux >= 4.0)

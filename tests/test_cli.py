@@ -3,8 +3,8 @@ import sys
 
 import torch
 
-from v4flash_backend.generate import generate
-from v4flash_backend.model_state import ModelState, make_segments
+from v4flash_backend.engine.single import generate
+from v4flash_backend.model.state import ModelState, make_segments
 
 
 def test_greedy_generate_is_the_argmax_chain(tiny_model):

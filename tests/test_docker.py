@@ -78,7 +78,7 @@ def test_cpu_image_runs_the_make_serve_steps():
 
 
 def test_neuron_image_installs_the_neuron_stack():
-    from v4flash_backend import neuron
+    from v4flash_backend.trn2 import neuron
 
     ins = instructions(DOCKER / "Dockerfile.neuron")
     text = " ".join(a for _, a in ins)

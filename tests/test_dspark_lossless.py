@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from v4flash_backend.dspark_accept import (
+from v4flash_backend.engine.dspark_accept import (
     DraftBlock,
     commit_stats,
     markov_draft,
@@ -26,8 +26,13 @@ from v4flash_backend.dspark_accept import (
     verify_layout,
     verify_offsets,
 )
-from v4flash_backend.dspark_sched import SPSTable, admit, admit_no_early_stop
-from v4flash_backend.sampling import SamplingParams, TorchSampler, make_generator, process_logits
+from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_no_early_stop
+from v4flash_backend.engine.sampling import (
+    SamplingParams,
+    TorchSampler,
+    make_generator,
+    process_logits,
+)
 
 F64 = torch.float64
 EXACT_TOL = 1e-12

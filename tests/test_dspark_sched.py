@@ -6,7 +6,12 @@ import random
 import pytest
 import torch
 
-from v4flash_backend.dspark_sched import SPSTable, admit, admit_fixed, admit_no_early_stop
+from v4flash_backend.engine.dspark_sched import (
+    SPSTable,
+    admit,
+    admit_fixed,
+    admit_no_early_stop,
+)
 
 
 def reference_admit(c, sps, early_stop=True, extra=0):

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from v4flash_backend.engine import Engine, EngineConfig, Request, RequestError
-from v4flash_backend.runner import LocalRunner
+from v4flash_backend.engine.engine import Engine, EngineConfig, Request, RequestError
+from v4flash_backend.engine.runner import LocalRunner
 
 
 def _engine(model, mode="dspark", seqs=4, max_len=160, **kw):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from v4flash_backend.engram_hash import (
+from v4flash_backend.model.engram_hash import (
     DEAD,
     EngramHasher,
     bucket_offsets,

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from v4flash_backend import golden, ops
+from v4flash_backend import ops
+from v4flash_backend.checks import golden
 from v4flash_backend.ops import torch_ops
 
 FINAL = re.compile(r"^golden: cases=(\d+) steps=(\d+) layers_ok=(\d+)/(\d+) max_layer_err=\S+ "
@@ -68,7 +69,8 @@ def test_replay_catches_missing_route_scale(fx_model, monkeypatch):
 
 def test_replay_catches_skipped_index_fp4(fx_model, monkeypatch):
     fx, m = fx_model
-    from v4flash_backend import model_attention, quant
+    from v4flash_backend.formats import quant
+    from v4flash_backend.model import attention as model_attention
 
     real = quant.fp4_qdq
     monkeypatch.setattr(model_attention.quant, "fp4_qdq",

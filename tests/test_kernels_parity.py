@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v4flash_backend import ops, quant
+from v4flash_backend import ops
+from v4flash_backend.formats import quant
 from v4flash_backend.ops import nki_ops, torch_ops
 
 BF16 = torch.bfloat16
@@ -168,7 +169,6 @@ def test_sparse_attn_out_of_range_slots_are_empty(grid):
 
 def test_sparse_attn_kernel_requires_padded_index_width():
     from nki_sim import SimError
-
     from v4flash_backend.kernels.sparse_attn import sparse_attn_kernel
 
     q, kv = torch.zeros(1, 1, 4, 64, dtype=BF16), torch.zeros(1, 8, 64, dtype=BF16)

@@ -5,7 +5,7 @@ bit; the golden tiny model's window (16) and compressed groups (ratio 2 and 1) a
 
 import torch
 
-from v4flash_backend.model_state import ModelState, make_segments
+from v4flash_backend.model.state import ModelState, make_segments
 
 
 def _seq(n, seed=0):
@@ -78,7 +78,7 @@ def test_state_bounds_are_enforced(tiny_model):
 def test_dense_experts_equal_the_routed_loop(tiny_model, monkeypatch):
     """Every local expert on every row with routing weight 0 where not routed (the static-graph
     form) gives bit-identical logits to running only the routed experts."""
-    from v4flash_backend import model_ffn
+    from v4flash_backend.model import ffn as model_ffn
 
     seq = _seq(40, 7)
     outs = []

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4flash_backend import neuron, ops
-from v4flash_backend.static_step import Bucket
+from v4flash_backend import ops
+from v4flash_backend.trn2 import neuron
+from v4flash_backend.trn2.static_step import Bucket
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,8 +127,8 @@ def test_neuron_imports_stay_on_the_neuron_path():
 def test_static_runner_drives_the_engine(tiny_model):
     """Greedy DSpark decoding through the static graphs (run uncompiled: backend 'none') equals the
     eager runner's tokens exactly ('exact' numerics), with 2 graph executions per decode step."""
-    from v4flash_backend.engine import Engine, EngineConfig, Request
-    from v4flash_backend.runner import LocalRunner
+    from v4flash_backend.engine.engine import Engine, EngineConfig, Request
+    from v4flash_backend.engine.runner import LocalRunner
 
     ops.set_numerics("exact")
     prompt = [0, 17, 230, 5, 99, 41, 8, 300, 12]

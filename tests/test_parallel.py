@@ -32,9 +32,10 @@ SRC = REPO / "src"
 
 # ---- the checks every world size runs (in-process at W = 1, per rank under torchrun) ---------------
 def _checks(m, coll, cases) -> dict:
-    from v4flash_backend import golden, ops
-    from v4flash_backend.model_dspark import DSparkDrafter
-    from v4flash_backend.model_state import ModelState, make_segments
+    from v4flash_backend import ops
+    from v4flash_backend.checks import golden
+    from v4flash_backend.model.dspark import DSparkDrafter
+    from v4flash_backend.model.state import ModelState, make_segments
 
     fx = golden.GoldenFixture(GOLDEN)
     res = {}
@@ -76,11 +77,12 @@ def _checks(m, coll, cases) -> dict:
 
 
 def _rank_main(out_path: str) -> None:
-    from v4flash_backend import parallel
+    from v4flash_backend.parallel.collectives import init_distributed
+    from v4flash_backend.parallel.comm import load_sharded_model
 
     torch.set_num_threads(1)
-    lay, coll = parallel.init_distributed(timeout_s=300)
-    m = parallel.load_model(GOLDEN, lay, coll)
+    lay, coll = init_distributed(timeout_s=300)
+    m = load_sharded_model(GOLDEN, lay, coll)
     res = _checks(m, coll, json.loads(os.environ["V4FLASH_TEST_CASES"]))
     if lay.rank == 0:
         torch.save(res, out_path)
@@ -94,7 +96,7 @@ def _rank_main(out_path: str) -> None:
 
 def torchrun(world: int, args: list[str], timeout: float = 600, env: dict | None = None):
     """Run `args` under torchrun with `world` local ranks (gloo over loopback, 1 thread per rank)."""
-    from v4flash_backend.rank_group import free_port
+    from v4flash_backend.group.rank_group import free_port
 
     e = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
@@ -108,8 +110,8 @@ _W1: dict = {}
 
 
 def w1_results(cases) -> dict:
-    from v4flash_backend.loading import load_model
-    from v4flash_backend.parallel import Collectives
+    from v4flash_backend.model.loading import load_model
+    from v4flash_backend.parallel.collectives import Collectives
 
     key = tuple(cases)
     if key not in _W1:
@@ -165,7 +167,10 @@ def test_exact_numerics_are_bit_identical_to_w1(wn):
 
 def test_counted_collectives_match_the_layout_formula(wn):
     from v4flash_backend.config import ModelConfig
-    from v4flash_backend.placement import collectives_per_draft, collectives_per_forward
+    from v4flash_backend.parallel.placement import (
+        collectives_per_draft,
+        collectives_per_forward,
+    )
 
     W, res, _ = wn
     cfg = ModelConfig.from_json(GOLDEN)
@@ -186,7 +191,7 @@ def test_counted_collectives_match_the_layout_formula(wn):
 
 @pytest.mark.slow
 def test_golden_check_cli_under_torchrun_w4():
-    """`golden-check` run by 4 ranks: every rank builds its shard (parallel.model_for_env), only
+    """`golden-check` run by 4 ranks: every rank builds its shard (parallel.comm.model_for_env), only
     rank 0 prints, and the strict criteria pass as at W = 1."""
     import re
 
@@ -204,7 +209,7 @@ def test_two_attention_groups_at_w4(tmp_path_factory):
     8 groups of 8: attention is replicated per group and reduced within it, experts, vocab and
     Engram rows over all 4 ranks. Exact numerics: bit-identical to W = 1; counts as the formula."""
     from v4flash_backend.config import ModelConfig
-    from v4flash_backend.placement import collectives_per_forward
+    from v4flash_backend.parallel.placement import collectives_per_forward
 
     res = _run_ranks(4, [], tmp_path_factory, V4FLASH_ATTN_GROUP="2")
     w1 = w1_results([])
@@ -221,10 +226,10 @@ def test_two_attention_groups_at_w4(tmp_path_factory):
 
 # ---- loading shards (in-process, no process group) ---------------------------------------------------
 def test_shards_reassemble_the_full_weights(monkeypatch):
-    from v4flash_backend.checkpoint import CheckpointReader
     from v4flash_backend.config import ModelConfig
-    from v4flash_backend.parallel import Layout, load_shard, shard_spec
-    from v4flash_backend.weights import load_weights
+    from v4flash_backend.formats.checkpoint import CheckpointReader
+    from v4flash_backend.model.weights import load_weights
+    from v4flash_backend.parallel.layout import Layout, load_shard, shard_spec
 
     cfg = ModelConfig.from_json(GOLDEN)
     with CheckpointReader(GOLDEN) as r:
@@ -263,7 +268,7 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def test_layout_rules():
-    from v4flash_backend.parallel import Layout
+    from v4flash_backend.parallel.layout import Layout
 
     lay = Layout(19, 64)
     assert (lay.group_size, lay.group_rank, lay.n_groups, lay.group_ranks(2)) == (8, 3, 8, list(range(16, 24)))
@@ -279,7 +284,12 @@ def test_layout_rules():
 
 # ---- step plans -------------------------------------------------------------------------------------------
 def test_step_plans_round_trip():
-    from v4flash_backend.worker import pack_dspark, pack_forward, unpack_dspark, unpack_forward
+    from v4flash_backend.group.worker import (
+        pack_dspark,
+        pack_forward,
+        unpack_dspark,
+        unpack_forward,
+    )
 
     tok = torch.tensor([5, 6, 7, 8])
     for rows in ("last", "all", "none", torch.tensor([1, 3])):
@@ -298,9 +308,9 @@ def test_step_plans_round_trip():
 def test_plan_runner_validates_before_broadcasting(tiny_model):
     """A bad call raises on rank 0 before any plan goes out (followers never see it), and plans
     larger than the buffer grow it with a GROW plan first."""
-    from v4flash_backend.parallel import Collectives
-    from v4flash_backend.runner import LocalRunner
-    from v4flash_backend.worker import PlanRunner
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.group.worker import PlanRunner
+    from v4flash_backend.parallel.collectives import Collectives
 
     class Spy(Collectives):
         def __init__(self):

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4flash_backend import placement
-from v4flash_backend.checkpoint import CheckpointReader
 from v4flash_backend.config import ModelConfig
-from v4flash_backend.parallel import Layout, load_shard
+from v4flash_backend.formats.checkpoint import CheckpointReader
+from v4flash_backend.parallel import placement
+from v4flash_backend.parallel.layout import Layout, load_shard
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAST = re.compile(r"^placement: world=(\d+) max_gib_per_rank=([\d.]+) world_allreduce_per_step=(\d+) "
@@ -51,7 +51,7 @@ def _state_bytes(st) -> int:
 
 @pytest.mark.parametrize("slots,max_len", [(3, 100), (1, 257)])
 def test_cache_bytes_equal_a_real_model_state(golden_dir, slots, max_len):
-    from v4flash_backend.model_state import ModelState
+    from v4flash_backend.model.state import ModelState
 
     cfg = ModelConfig.from_json(golden_dir)
     assert placement.cache_bytes(cfg, slots, max_len) == _state_bytes(ModelState(cfg, slots, max_len))
@@ -94,7 +94,7 @@ def test_release_report_last_line(release):
 
 
 def test_cli_module_on_the_golden_config(golden_dir):
-    r = subprocess.run([sys.executable, "-m", "v4flash_backend.placement", "--config", str(golden_dir),
+    r = subprocess.run([sys.executable, "-m", "v4flash_backend", "placement", "--config", str(golden_dir),
                         "--world-size", "4", "--max-model-len", "256", "--max-num-seqs", "2"],
                        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC)})
     assert r.returncode == 0, r.stderr
@@ -102,7 +102,7 @@ def test_cli_module_on_the_golden_config(golden_dir):
     cfg = ModelConfig.from_json(golden_dir)
     assert m and int(m.group(1)) == 4
     assert int(m.group(3)) == 1 + cfg.n_layers + len(cfg.engram_layer_ids) + 1 + cfg.n_mtp_layers
-    r = subprocess.run([sys.executable, "-m", "v4flash_backend.placement", "--world-size", "12"],
+    r = subprocess.run([sys.executable, "-m", "v4flash_backend", "placement", "--world-size", "12"],
                        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC)})
     assert r.returncode != 0 and "multiple of 8" in r.stderr
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from v4flash_backend import quant as Q
+from v4flash_backend.formats import quant as Q
 
 
 def test_e4m3_round_to_nearest_even_and_saturation():

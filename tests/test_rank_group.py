@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from v4flash_backend import rank_group
-from v4flash_backend.rank_group import RankGroup, RankGroupError
-from v4flash_backend.worker import parse_params
+from v4flash_backend.group import rank_group
+from v4flash_backend.group.rank_group import RankGroup, RankGroupError
+from v4flash_backend.group.worker import parse_params
 
 
 def _prompt(n, seed):
@@ -29,8 +29,8 @@ def _prompt(n, seed):
 
 
 def _alone(model, prompt, max_tokens):
-    from v4flash_backend.engine import Engine, EngineConfig, Request
-    from v4flash_backend.runner import LocalRunner
+    from v4flash_backend.engine.engine import Engine, EngineConfig, Request
+    from v4flash_backend.engine.runner import LocalRunner
 
     eng = Engine(LocalRunner(model, 2, 128), EngineConfig(max_num_seqs=1, max_model_len=128, spec_mode="off"))
     ev = eng.generate(Request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True))

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from v4flash_backend.sampling import (
+from v4flash_backend.engine.sampling import (
     SamplingParams,
     TorchSampler,
     categorical_from_uniform,

@@ -22,8 +22,12 @@ from v4flash_backend.serving.metrics import ServingMetrics
 from v4flash_backend.serving.request import GenerateRequest, RequestParser, ServingError
 from v4flash_backend.serving.response import OUTPUT_NAMES, ResponseBuilder
 from v4flash_backend.serving.service import GenerateService
-from v4flash_backend.serving.settings import (CHECKPOINT_ENV, ServingSettings, default_checkpoint_dir,
-                                              resolve_checkpoint_dir)
+from v4flash_backend.serving.settings import (
+    CHECKPOINT_ENV,
+    ServingSettings,
+    default_checkpoint_dir,
+    resolve_checkpoint_dir,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO.parent / "shared" / "golden" / "v41-tiny"

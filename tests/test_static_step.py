@@ -22,8 +22,14 @@ import torch
 
 from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
-from v4flash_backend.model_state import ModelState, make_segments
-from v4flash_backend.static_step import Bucket, HostSyncCounter, StaticDecoder, graph_host_syncs, pick_bucket
+from v4flash_backend.model.state import ModelState, make_segments
+from v4flash_backend.trn2.static_step import (
+    Bucket,
+    HostSyncCounter,
+    StaticDecoder,
+    graph_host_syncs,
+    pick_bucket,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import trn2_projection  # noqa: E402  (the random-model builder)
@@ -142,7 +148,7 @@ def test_plan_checks_and_buckets(tiny_model):
 
 # ---- torch.compile(fullgraph=True) on a small model with every layer type --------------------------
 def small_config(golden_dir) -> ModelConfig:
-    from v4flash_backend.engram_hash import bucket_primes, table_rows
+    from v4flash_backend.model.engram_hash import bucket_primes, table_rows
 
     g = ModelConfig.from_json(golden_dir)
     d = g.to_dict()

@@ -9,16 +9,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4flash_backend import ops, quant
-from v4flash_backend.checkpoint import CheckpointReader
-from v4flash_backend.loading import load_model
-from v4flash_backend.model import V41Model
-from v4flash_backend.model_dspark import DSparkDrafter
-from v4flash_backend.model_state import ModelState, make_segments
-from v4flash_backend.train_corpus import is_heldout, list_files, load_corpus, read_files, split_files
-from v4flash_backend.train_ops import e2m1_values, fake_quant_fp4_weight, fast_quant, register
-from v4flash_backend.train_params import forward_weights, init_masters, qtypes
-from v4flash_backend.train_tiny import export, lm_loss, tiny_config, train_forward
+from v4flash_backend import ops
+from v4flash_backend.formats import quant
+from v4flash_backend.formats.checkpoint import CheckpointReader
+from v4flash_backend.model.dspark import DSparkDrafter
+from v4flash_backend.model.loading import load_model
+from v4flash_backend.model.state import ModelState, make_segments
+from v4flash_backend.model.transformer import V41Model
+from v4flash_backend.training.corpus import (
+    is_heldout,
+    list_files,
+    load_corpus,
+    read_files,
+    split_files,
+)
+from v4flash_backend.training.params import forward_weights, init_masters, qtypes
+from v4flash_backend.training.qat_ops import (
+    e2m1_values,
+    fake_quant_fp4_weight,
+    fast_quant,
+    register,
+)
+from v4flash_backend.training.tiny import export, lm_loss, tiny_config, train_forward
 
 REPO = Path(__file__).resolve().parents[1]
 ARTEFACT = REPO / "models" / "v4flash-tiny"
@@ -33,8 +45,8 @@ MICRO = dict(vocab_size=300, dim=64, moe_inter_dim=32, n_heads=2, head_dim=32, q
 @pytest.fixture(scope="module")
 def micro():
     """(config, tokenizer, hasher) of a micro model; the tokenizer is trained on 3 stdlib files."""
-    from v4flash_backend.engram_hash import EngramHasher
-    from v4flash_backend.train_tokenizer import train_tokenizer
+    from v4flash_backend.model.engram_hash import EngramHasher
+    from v4flash_backend.training.tokenizer import train_tokenizer
 
     files = read_files(["bisect.py", "colorsys.py", "keyword.py"])
     tok = train_tokenizer([f.text for f in files], MICRO["vocab_size"])
@@ -97,7 +109,7 @@ def test_train_backend_matches_torch_reference():
     """The training backend's rewritten families agree with the reference to bf16 rounding (their
     fp32 sums run in another order and the attention skips the bf16 rounding of p): 2e-2 relative."""
     from v4flash_backend.ops import torch_ops
-    from v4flash_backend import train_ops
+    from v4flash_backend.training import qat_ops as train_ops
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 5, 3, 32, generator=g).bfloat16()
@@ -191,7 +203,7 @@ def test_batched_draft_forward_equals_inference_drafter(micro, tmp_path):
     and each fp8 activation quantization turns a 1-ulp bf16 difference into ~1 %): mean |dU| under
     0.03 on logits of spread ~1; the same anchor with its ring shifted by one position (a real bug)
     is off by ~0.3 on average, so the test has the power to see it."""
-    from v4flash_backend.train_dspark import draft_forward
+    from v4flash_backend.training.dspark import draft_forward
 
     cfg, tok, hasher = micro
     ops.set_backend("torch")
@@ -222,7 +234,7 @@ def test_batched_draft_forward_equals_inference_drafter(micro, tmp_path):
 @pytest.fixture(scope="module")
 def artefact():
     if not (ARTEFACT / "config.json").exists():
-        pytest.fail(f"{ARTEFACT} missing: build it with python -m v4flash_backend.train_tiny")
+        pytest.fail(f"{ARTEFACT} missing: build it with python -m v4flash_backend.training")
     ops.set_numerics("exact")
     return load_model(ARTEFACT)
 
@@ -246,8 +258,8 @@ def test_artefact_heldout_perplexity_beats_unigram(artefact):
     perplexity at least e times smaller. The model card reports 4.48 vs 6.59 on 4080 tokens."""
     from tokenizers import Tokenizer
 
-    from v4flash_backend.train_eval import mean_nll
-    from v4flash_backend.train_tiny import token_stream
+    from v4flash_backend.training.evaluate import mean_nll
+    from v4flash_backend.training.loop import token_stream
 
     ops.set_numerics("reference")
     tok = Tokenizer.from_file(str(ARTEFACT / "tokenizer.json"))
@@ -268,7 +280,7 @@ def test_artefact_dspark_drafts_are_accepted(artefact):
     the exact numerics) and more than one draft accepted per verify step on average."""
     from tokenizers import Tokenizer
 
-    from v4flash_backend.train_eval import plain_generate, spec_generate
+    from v4flash_backend.training.evaluate import plain_generate, spec_generate
 
     ops.set_numerics("exact")
     tok = Tokenizer.from_file(str(ARTEFACT / "tokenizer.json"))

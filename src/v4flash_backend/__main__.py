@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from v4flash_backend.cli import main
 
 sys.exit(main())

@@ -14,16 +14,15 @@ def _ids(text: str) -> list[int]:
 
 
 def cmd_golden(args) -> int:
-    from .golden import golden_check
-
-    from . import parallel
+    from v4flash_backend.checks.golden import golden_check
+    from v4flash_backend.parallel.collectives import is_rank0
 
     ok, final, rep = golden_check(args.fixture, args.ops, args.numerics)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # under torchrun: leave the group cleanly
         dist.barrier()
-        rank0 = parallel.is_rank0()
+        rank0 = is_rank0()
         dist.destroy_process_group()
         if not rank0:  # rank 0 alone reports
             return 0 if ok else 1
@@ -38,12 +37,12 @@ def cmd_golden(args) -> int:
 
 def cmd_generate(args) -> int:
     if args.world_size is not None or args.address:
-        from . import rank_group
+        from v4flash_backend.group import rank_group
 
         return rank_group.cli_generate(args)
-    from . import ops
-    from .generate import generate
-    from .loading import load_model
+    from v4flash_backend import ops
+    from v4flash_backend.engine.single import generate
+    from v4flash_backend.model.loading import load_model
 
     ops.set_backend(args.ops)
     model = load_model(args.checkpoint)
@@ -94,7 +93,8 @@ def main(argv=None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--ops", default="torch", choices=["torch", "nki-sim", "nki"])
-    from . import placement, rank_group
+    from v4flash_backend.group import rank_group
+    from v4flash_backend.parallel import placement
 
     rank_group.add_generate_arguments(gen)
     gen.set_defaults(fn=cmd_generate)

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ops as _ops
-from .. import quant
+from v4flash_backend import ops as _ops
+from v4flash_backend.formats import quant
 
 
 def _exact() -> bool:

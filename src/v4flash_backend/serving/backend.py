@@ -37,7 +37,7 @@ def event_dict(ev) -> dict:
 
 def checkpoint_vocab_size(checkpoint_dir) -> int:
     """vocab_size of a checkpoint, from its config.json (no weights loaded)."""
-    from ..config import ModelConfig
+    from v4flash_backend.config import ModelConfig
 
     return ModelConfig.from_json(checkpoint_dir / "config.json").vocab_size
 
@@ -46,10 +46,10 @@ class InProcessBackend:
     """The Engine on a daemon thread of this process (W = 1)."""
 
     def __init__(self, settings: ServingSettings, log: Callable[[str], None] = print):
-        from .. import ops
-        from ..engine import Engine, EngineConfig
-        from ..loading import load_model
-        from ..runner import LocalRunner
+        from v4flash_backend import ops
+        from v4flash_backend.engine.engine import Engine, EngineConfig
+        from v4flash_backend.engine.runner import LocalRunner
+        from v4flash_backend.model.loading import load_model
 
         self._log = log
         ops.set_backend(settings.ops_backend)
@@ -79,7 +79,7 @@ class InProcessBackend:
                 time.sleep(0.05)
 
     def submit(self, req: GenerateRequest, request_id: str, on_event: EventCallback) -> None:
-        from ..engine import Request, RequestError
+        from v4flash_backend.engine.engine import Request, RequestError
 
         r = Request(prompt=list(req.prompt), id=request_id, callback=lambda ev: on_event(event_dict(ev)),
                     **dict(req.sampling(), stop_token_ids=tuple(req.stop_token_ids)))

@@ -1,4 +1,4 @@
-"""The serving backend over a torchrun rank group (`v4flash_backend.rank_group.RankGroup`).
+"""The serving backend over a torchrun rank group (`v4flash_backend.group.rank_group.RankGroup`).
 
 Launches the group (or connects to one started elsewhere, parameter rank_group_address),
 forwards requests and cancellations, and brings a failed group back: when the group dies,
@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Callable
 
-from ..rank_group import RankGroup, RankGroupError
+from v4flash_backend.group.rank_group import RankGroup, RankGroupError
+
 from .backend import EventCallback, checkpoint_vocab_size
 from .request import GenerateRequest
 from .settings import ServingSettings
@@ -23,7 +24,7 @@ _WARMUP_PROMPT = [0, 3, 4, 5]
 
 
 def worker_args(s: ServingSettings) -> list[str]:
-    """The `v4flash_backend.worker` options the settings imply (beyond checkpoint and sizes)."""
+    """The `v4flash_backend.group.worker` options the settings imply (beyond checkpoint and sizes)."""
     args = ["--ops", s.ops_backend, "--prefill-chunk", str(s.prefill_chunk), "--spec-mode", s.spec_mode]
     if s.numerics:
         args += ["--numerics", s.numerics]

@@ -1,0 +1,1 @@
+"""Checks of the forward against the official reference's fixtures (`golden`: golden-check)."""

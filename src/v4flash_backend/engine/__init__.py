@@ -1,0 +1,8 @@
+"""Generation on rank 0 (imports config, request, settings, model, parallel).
+
+`runner` (the Runner protocol and LocalRunner: forward and DSpark calls over one model state),
+`sampling` (temperature / top-k / top-p with exact distributions), `dspark_sched` (admit, the
+steps/s table), `dspark_accept` (Markov drafting, lossless verification), `engine` (continuous
+batching: admission, segmented prefill, decode with DSpark, slots, stop conditions, cancellation),
+`single` (one sequence, no engine: the reference decode loop the CLI's in-process generate uses).
+"""

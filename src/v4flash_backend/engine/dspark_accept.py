@@ -1,0 +1,244 @@
+"""DSpark draft sampling (Markov chain over the draft block) and lossless verification.
+
+Round structure (notes/dspark.md section 5), with R requests and block size G (gamma):
+
+1. `markov_draft(U, anchor, bias_fn, params)`: x_0 = anchor; for k = 1..G,
+   z_k = U[:, k-1] + bias(x_{k-1}), q_k = process_logits(z_k, params), x_k ~ q_k. The DraftBlock
+   keeps x, the predecessor of each x (input of the confidence head), q_k(x_k) and z.
+2. The engine computes confidences c [R, G] from `block.prev` and calls dspark_sched.admit.
+3. `verify_layout(anchor, block.tokens, ell)` gives the verify forward's flat input
+   [x_0, x_1..x_ell_r] per request: sum(1 + ell_r) rows, request r at offsets[r].
+4. `verify(target_logits [sum(1+ell_r), V], block, ell, params)`: row offsets[r] + i of the
+   logits is the target's distribution for the token after x_i. Drafts are accepted left to
+   right with probability min(1, p_i(x_{i+1}) / q_{i+1}(x_{i+1})); on the first rejection the
+   emitted token is drawn from normalise(max(p_i - q_{i+1}, 0)); if all ell_r admitted drafts are
+   accepted the bonus is drawn from p_{ell_r} (never from the unadmitted x_{ell_r + 1}). p uses the
+   same temperature / top-k / top-p as q. Greedy rows (T = 0) reduce to "accept iff the draft is
+   the target argmax; emit the target argmax" and an all-greedy batch never computes q or p.
+   Committed tokens are then cut after the first stop token and at the remaining token budget.
+
+Everything is batched with ragged ell; randomness only enters through the Sampler, so tests can
+enumerate every branch exactly through these same functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .sampling import Sampler, SamplingParams, TorchSampler, process_logits
+
+# Residual mass at or below this falls back to p (DeepSpec's rule). Exactly, the residual has
+# mass >= q(x) - p(x) > 0 whenever a rejection can happen; the fallback only guards rounding.
+RESIDUAL_EPS = 1e-8
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor  # [R, G] int64: x_1..x_G
+    prev: torch.Tensor  # [R, G] int64: x_0..x_{G-1}, the Markov predecessor of each draft
+    q_token: torch.Tensor  # [R, G]: q_k(x_k), probability of the drafted token under its exact q
+    z: torch.Tensor  # [R, G, V]: Markov-corrected logits; q_k = process_logits(z[:, k-1], params)
+
+    @property
+    def gamma(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def markov_draft(U: torch.Tensor, anchor: torch.Tensor,
+                 bias_fn: Callable[[torch.Tensor], torch.Tensor],
+                 params: SamplingParams, sampler: Optional[Sampler] = None,
+                 inplace: bool = False) -> DraftBlock:
+    """Sample x_1..x_G left to right. U [R, G, V] base draft logits; anchor [R] int64 (x_0);
+    bias_fn(prev_ids [R]) -> [R, V] Markov bias B(prev). Each x_k is drawn from
+    q_k = process_logits(U_k + B(x_{k-1}), params): conditioned on the SAMPLED predecessor.
+
+    inplace=True (fp32/fp64 U only) adds the bias into U and returns it as block.z, saving an
+    [R, G, V] buffer (U[:, k] is not needed after step k)."""
+    if U.dim() != 3 or U.shape[0] != anchor.shape[0] or len(params) != U.shape[0]:
+        raise ValueError("U must be [R, G, V] with R = len(anchor) = len(params)")
+    R, G, V = U.shape
+    all_greedy = params.all_greedy()
+    sampler = sampler or TorchSampler()
+    prev = anchor.to(U.device, torch.int64)
+    dtype = U.dtype if U.dtype in (torch.float32, torch.float64) else torch.float32
+    if inplace and U.dtype != dtype:
+        raise ValueError("inplace drafting needs fp32 or fp64 U")
+    z_all = U if inplace else torch.empty(R, G, V, dtype=dtype, device=U.device)
+    tokens = torch.empty(R, G, dtype=torch.int64, device=U.device)
+    prevs = torch.empty(R, G, dtype=torch.int64, device=U.device)
+    q_tok = torch.empty(R, G, dtype=dtype, device=U.device)
+    for k in range(G):
+        z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
+        if all_greedy:
+            # the greedy path needs no distribution: q is one-hot at argmax (first on ties)
+            x = z.argmax(-1)
+            q_x = torch.ones(R, dtype=dtype, device=U.device)
+        else:
+            q = process_logits(z, params)
+            x = sampler.categorical(q).to(U.device)
+            q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
+        z_all[:, k] = z  # (is U[:, k] when inplace)
+        prevs[:, k] = prev
+        tokens[:, k] = x
+        q_tok[:, k] = q_x
+        prev = x
+    return DraftBlock(tokens=tokens, prev=prevs, q_token=q_tok, z=z_all)
+
+
+def verify_offsets(ell: torch.Tensor) -> torch.Tensor:
+    """offsets [R]: first verify row of each request (exclusive cumsum of 1 + ell)."""
+    n = 1 + ell.to(torch.int64)
+    return torch.cumsum(n, 0) - n
+
+
+def verify_layout(anchor: torch.Tensor, drafts: torch.Tensor, ell: torch.Tensor):
+    """Flat verify input. Returns (ids [N], request [N], step [N], offsets [R]) with
+    N = sum(1 + ell): request r contributes ids [x_0, x_1..x_ell_r] at steps 0..ell_r (the
+    position of row step i is the anchor's position + i)."""
+    ell = ell.to(torch.int64)
+    R, G = drafts.shape
+    if bool((ell < 0).any()) or bool((ell > G).any()):
+        raise ValueError("ell must be in [0, gamma]")
+    counts = 1 + ell
+    request = torch.repeat_interleave(torch.arange(R, device=drafts.device), counts)
+    offsets = verify_offsets(ell)
+    step = torch.arange(int(counts.sum()), device=drafts.device) - offsets[request]
+    full = torch.cat([anchor.to(drafts.device, torch.int64).unsqueeze(1), drafts], dim=1)
+    ids = full[request, step]
+    return ids, request, step, offsets
+
+
+@dataclass
+class VerifyResult:
+    tokens: torch.Tensor  # [R, G+1] int64 committed tokens, left-aligned, padded with -1
+    num_tokens: torch.Tensor  # [R] committed count (1 + accepted unless cut by stop / budget)
+    accepted: torch.Tensor  # [R] admitted drafts accepted by verification (before any cut)
+    admitted: torch.Tensor  # [R] ell: drafts verified
+    drafted: torch.Tensor  # [R] drafts produced (G)
+    stopped: torch.Tensor  # [R] bool: a stop token was committed; nothing follows it
+
+    def token_lists(self) -> List[List[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.num_tokens.tolist())]
+
+    def last_tokens(self) -> torch.Tensor:
+        """[R] the last committed token of each row: the next round's anchor x_0 (-1 if none)."""
+        idx = (self.num_tokens - 1).clamp(min=0).unsqueeze(1)
+        last = self.tokens.gather(1, idx).squeeze(1)
+        return torch.where(self.num_tokens > 0, last, torch.full_like(last, -1))
+
+    def committed_rows(self) -> torch.Tensor:
+        """Flat indices of the verify rows whose inputs are now committed context: x_0..x_{n-1} of
+        each request (n = num_tokens), i.e. the rows whose KV / taps the engine keeps."""
+        off = verify_offsets(self.admitted)
+        start = torch.repeat_interleave(off, self.num_tokens)
+        first = torch.repeat_interleave(torch.cumsum(self.num_tokens, 0) - self.num_tokens, self.num_tokens)
+        return start + torch.arange(int(self.num_tokens.sum()), device=off.device) - first
+
+
+def _gather_rows(ell: torch.Tensor, G: int) -> torch.Tensor:
+    """[R, G+1] verify row index of steps 0..G, clamped to the request's last row (ell_r)."""
+    steps = torch.arange(G + 1, device=ell.device)
+    return verify_offsets(ell).unsqueeze(1) + torch.minimum(steps.unsqueeze(0), ell.unsqueeze(1))
+
+
+def _finish(tokens_G: torch.Tensor, n_acc: torch.Tensor, final: torch.Tensor, ell: torch.Tensor,
+            stop_ids: Optional[torch.Tensor], max_tokens: Optional[torch.Tensor]) -> VerifyResult:
+    R, G = tokens_G.shape
+    steps = torch.arange(G + 1, device=tokens_G.device).unsqueeze(0)
+    out = torch.cat([tokens_G, torch.full((R, 1), -1, dtype=torch.int64, device=tokens_G.device)], 1)
+    out = torch.where(steps < n_acc.unsqueeze(1), out, torch.full_like(out, -1))
+    out.scatter_(1, n_acc.unsqueeze(1), final.to(torch.int64).unsqueeze(1))
+    num = n_acc + 1
+    stopped = torch.zeros(R, dtype=torch.bool, device=out.device)
+    if stop_ids is not None and stop_ids.numel():
+        stop_ids = stop_ids.to(out.device)
+        if stop_ids.dim() == 1:
+            stop_ids = stop_ids.unsqueeze(0).expand(R, -1)
+        hit = (out.unsqueeze(2) == stop_ids.unsqueeze(1)).any(2) & (out >= 0) & (steps < num.unsqueeze(1))
+        stopped = hit.any(1)
+        first = hit.to(torch.int8).argmax(1)
+        num = torch.where(stopped, first + 1, num)
+    if max_tokens is not None:
+        cap = torch.as_tensor(max_tokens, dtype=torch.int64, device=out.device).clamp(min=0)
+        stopped = stopped & (num <= cap)  # a stop token cut off by the budget was not committed
+        num = torch.minimum(num, cap.expand(R))
+    out = torch.where(steps < num.unsqueeze(1), out, torch.full_like(out, -1))
+    return VerifyResult(tokens=out, num_tokens=num, accepted=n_acc, admitted=ell.clone(),
+                        drafted=torch.full_like(ell, G), stopped=stopped)
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, ell: torch.Tensor,
+                  stop_ids: Optional[torch.Tensor] = None,
+                  max_tokens: Optional[torch.Tensor] = None) -> VerifyResult:
+    """Greedy verification: accept x_{i+1} iff it equals argmax of verify row i; the emitted
+    token after the accepted run is the target argmax. Output = the target's greedy tokens."""
+    ell = ell.to(drafts.device, torch.int64)
+    R, G = drafts.shape
+    target = target_logits.argmax(-1)  # first index on ties, like plain greedy decoding
+    tgt = target[_gather_rows(ell, G)]  # [R, G+1]
+    ok = (drafts == tgt[:, :G]) & (torch.arange(G, device=drafts.device).unsqueeze(0) < ell.unsqueeze(1))
+    n_acc = torch.cumprod(ok.to(torch.int64), 1).sum(1)
+    final = tgt.gather(1, n_acc.unsqueeze(1)).squeeze(1)
+    return _finish(drafts, n_acc, final, ell, stop_ids, max_tokens)
+
+
+def verify(target_logits: torch.Tensor, block: DraftBlock, ell: torch.Tensor, params: SamplingParams,
+           sampler: Optional[Sampler] = None, stop_ids: Optional[torch.Tensor] = None,
+           max_tokens: Optional[torch.Tensor] = None,
+           residual_eps: float = RESIDUAL_EPS) -> VerifyResult:
+    """Lossless verification of a batch with ragged admitted lengths.
+
+    target_logits [sum(1 + ell_r), V]: the verify forward's logits in verify_layout order.
+    block: the DraftBlock these drafts came from (its q_token and z define q exactly).
+    ell [R]: admitted drafts per request. params: the requests' sampling params (the SAME
+    as used for drafting). stop_ids: [S] shared or [R, S] per request (pad with -1).
+    max_tokens [R] (optional): tokens each request may still emit.
+
+    Randomness per request per call: one bernoulli over [G] and one categorical draw whatever
+    ell is, so a seeded request's generator advances identically in every batch (its tokens
+    still depend on ell, which the batch-wide admission sets)."""
+    ell = ell.to(block.tokens.device, torch.int64)
+    R, G = block.tokens.shape
+    n_rows = int((1 + ell).sum())
+    if target_logits.shape[0] != n_rows:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, layout needs {n_rows}")
+    if params.all_greedy():
+        return verify_greedy(target_logits, block.tokens, ell, stop_ids, max_tokens)
+    sampler = sampler or TorchSampler()
+    probs = process_logits(target_logits, params.repeat_interleave(1 + ell))  # p, row by row
+    rows = _gather_rows(ell, G)  # [R, G+1]
+    steps = torch.arange(G, device=ell.device).unsqueeze(0)
+    in_play = steps < ell.unsqueeze(1)
+    # p_i(x_{i+1}) for i < ell_r; beyond ell_r the clamped row is a placeholder masked below
+    p_tok = probs[rows[:, :G], block.tokens]
+    q_tok = block.q_token.to(probs.dtype)
+    accept_prob = torch.clamp(p_tok / q_tok.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
+    accept_prob = torch.where(in_play, accept_prob, torch.zeros_like(accept_prob))
+    acc = sampler.bernoulli(accept_prob).to(ell.device) & in_play
+    n_acc = torch.cumprod(acc.to(torch.int64), 1).sum(1)
+    dist = probs[rows.gather(1, n_acc.unsqueeze(1)).squeeze(1)].clone()  # p at the final row
+    rejected = (n_acc < ell).nonzero().squeeze(1)
+    if rejected.numel():
+        k = n_acc[rejected]  # 0-based index of the rejected draft x_{k+1}
+        q_rej = process_logits(block.z[rejected, k], params.select(rejected))
+        p_rej = dist[rejected]
+        res = torch.clamp(p_rej - q_rej, min=0.0)
+        mass = res.sum(1, keepdim=True)
+        dist[rejected] = torch.where(mass > residual_eps, res / mass.clamp_min(residual_eps), p_rej)
+    final = sampler.categorical(dist).to(ell.device)
+    return _finish(block.tokens, n_acc, final, ell, stop_ids, max_tokens)
+
+
+def commit_stats(results: Sequence[VerifyResult]) -> dict:
+    """Totals over rounds: drafted / admitted / accepted drafts and committed tokens."""
+    tot = {"drafted": 0, "admitted": 0, "accepted": 0, "committed": 0, "rounds": 0}
+    for r in results:
+        tot["drafted"] += int(r.drafted.sum())
+        tot["admitted"] += int(r.admitted.sum())
+        tot["accepted"] += int(r.accepted.sum())
+        tot["committed"] += int(r.num_tokens.sum())
+        tot["rounds"] += int(r.num_tokens.numel())
+    return tot

@@ -1,0 +1,47 @@
+"""The engine's view of the model: a Runner executes forward and draft calls on cache slots.
+
+`LocalRunner` runs them in this process (W = 1). In a rank group, rank 0's runner broadcasts each
+call as a fixed-size integer plan so every rank executes the same `LocalRunner` method on its own
+shard (see `worker`); only rank 0 reads the results. Taps of the last forward stay on every rank,
+so DSpark ring writes name rows of that forward instead of shipping hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v4flash_backend.model.dspark import DraftOutput, DSparkDrafter
+from v4flash_backend.model.state import ModelState, make_segments
+from v4flash_backend.model.transformer import StepOutput, V41Model
+
+
+class LocalRunner:
+    def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8):
+        self.model = model
+        self.cfg = model.cfg
+        self.state = ModelState(model.cfg, num_slots, max_len, margin)
+        self.drafter = DSparkDrafter(model) if model.cfg.dspark_block_size else None
+        self.last_taps: torch.Tensor | None = None
+
+    # every method below is one collective-synchronous call in a rank group
+    def reset_slot(self, slot: int) -> None:
+        self.state.reset_slot(slot)
+
+    def forward(self, tokens: torch.Tensor, spec: list[tuple[int, int, int]], logits_rows,
+                want_taps: bool) -> StepOutput:
+        """spec: [(slot, start, n)] in row order; logits_rows: LongTensor of rows (or 'last'/'all')."""
+        out = self.model.forward(self.state, tokens, make_segments(spec), logits_rows, want_taps)
+        self.last_taps = out.taps
+        return out
+
+    def dspark(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]],
+               items: list[tuple[int, int, int]]) -> DraftOutput | None:
+        """writes: [(slot, rows of the last forward's taps, their positions)] -> DSpark rings;
+        items: [(slot, p, anchor)] -> draft blocks at positions p+1..p+B (None if no items)."""
+        d = self.drafter
+        for slot, rows, positions in writes:
+            if len(rows):
+                d.write_ring(self.state, slot, d.main_x(self.last_taps[rows]), positions)
+        if not items:
+            return None
+        return d.draft(self.state, items)

@@ -1,0 +1,481 @@
+"""Client of the rank group, used by the Triton model and the CLI.
+
+`RankGroup.launch(...)` starts `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...` in its
+own process session with the project's Python (the Triton stub runs another interpreter, so the
+worker's interpreter is never guessed from `sys.executable` alone), waits until rank 0 reports its
+address, and connects; `RankGroup.connect(address)` uses a group someone else started (multi-node:
+one torchrun per node). Then `submit` streams a request's events, `cancel`, `health`, `stats` and
+`shutdown` do what they say. The wire protocol is documented in `worker`.
+
+This module imports only the standard library: it runs inside the Triton python-backend stub,
+whose interpreter need not have torch.
+
+Failure: when the connection to rank 0 breaks (a rank died: the others exit within seconds on
+their collective's error or timeout and torchrun tears the group down), every request in flight
+receives a final {"event": "error", "code": "UNAVAILABLE"} message, `health()` reports
+ok=False with the reason, and `restart()` launches a fresh group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parents[1]  # <repo>/src/v4flash_backend -> <repo>
+
+
+class RankGroupError(RuntimeError):
+    def __init__(self, message: str, code: str = "UNAVAILABLE"):
+        super().__init__(message)
+        self.code = code
+
+
+def project_python(explicit: str | None = None) -> str:
+    """The interpreter that runs the workers: `explicit`, else $V4FLASH_PYTHON, else the repo's
+    .venv, else this interpreter if it can import torch (a system-wide install, e.g. a container)."""
+    named = [(explicit, True), (os.environ.get("V4FLASH_PYTHON"), True),
+             (str(REPO_DIR / ".venv" / "bin" / "python"), False)]
+    for cand, required in named:
+        if not cand:
+            continue
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+        if required:
+            raise RankGroupError(f"worker python {cand!r} does not exist or is not executable")
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable
+    raise RankGroupError("no python with torch for the workers: set V4FLASH_PYTHON or the python parameter")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class Stream:
+    """The events of one request, in order: iterate it (blocking) or pass a callback to submit."""
+
+    def __init__(self, request_id, callback=None):
+        self.id = request_id
+        self.callback = callback
+        self.q: queue.Queue = queue.Queue()
+        self.done = threading.Event()
+
+    def _put(self, ev: dict) -> None:
+        final = ev.get("event") == "error" or ev.get("finish_reason") is not None
+        if final:
+            self.done.set()
+        if self.callback is not None:
+            try:
+                self.callback(ev)
+            except Exception as e:  # noqa: BLE001 - a broken consumer must not stop the reader thread
+                print(f"[v4flash] request {self.id!r}: event callback raised {type(e).__name__}: {e}",
+                      file=sys.stderr)
+        self.q.put(ev)
+
+    def __iter__(self):
+        while True:
+            ev = self.q.get()
+            yield ev
+            if ev.get("event") == "error" or ev.get("finish_reason") is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Block until the final event: {"token_ids", "finish_reason", "error", "code", "events"}."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        events, tokens = [], []
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ev = self.q.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id!r}: no final event within {timeout} s") from None
+            events.append(ev)
+            if ev.get("event") == "error":
+                return dict(token_ids=tokens, finish_reason=None, error=ev.get("message"), code=ev.get("code"),
+                            events=events)
+            tokens += ev.get("token_ids", [])
+            if ev.get("finish_reason") is not None:
+                return dict(token_ids=tokens, finish_reason=ev["finish_reason"], error=None, code=None,
+                            events=events)
+
+
+class RankGroup:
+    """A connection to rank 0 of a rank group, and the group's process when we launched it."""
+
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen | None = None, info: dict | None = None,
+                 launch_args: dict | None = None, log_path: str | None = None, workdir: str | None = None):
+        self.sock = sock
+        self.proc = proc
+        self.info = info or {}
+        self.launch_args = launch_args
+        self.log_path = log_path
+        self.workdir = workdir  # port file + log of a launched group; removed after a clean exit
+        self.failure: str | None = None
+        self.streams: dict[str, Stream] = {}
+        self.replies: dict[str, queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.wlock = threading.Lock()
+        self._ids = itertools.count()
+        self.reader = threading.Thread(target=self._read, daemon=True, name="rank-group-reader")
+        self.reader.start()
+        if proc is not None:
+            threading.Thread(target=self._watch, daemon=True, name="rank-group-watch").start()
+
+    # ---- starting ---------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, checkpoint: str, world_size: int = 1, python: str | None = None, max_num_seqs: int = 8,
+               max_model_len: int = 1024, worker_args: list[str] | tuple = (), env: dict | None = None,
+               start_timeout_s: float = 600.0, log_path: str | None = None, nproc_per_node: int | None = None,
+               ) -> "RankGroup":
+        """Start a single-node group of `world_size` ranks and connect to it."""
+        py = project_python(python)
+        workdir = tempfile.mkdtemp(prefix="v4flash-group-")
+        port_file = os.path.join(workdir, "rank0.json")
+        log_path = log_path or os.path.join(workdir, "group.log")
+        cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node or world_size),
+               "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker",
+               "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), *map(str, worker_args)]
+        e = dict(os.environ)
+        if PACKAGE_DIR.parent.name not in ("site-packages", "dist-packages"):
+            # a source checkout (<repo>/src): make the workers import this copy. An installed package
+            # is already importable by its own interpreter, and prepending another interpreter's
+            # site-packages would shadow the worker venv's numpy / torch.
+            e["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+        e.setdefault("OMP_NUM_THREADS", "1")
+        e.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
+        e.update(env or {})
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
+                                start_new_session=True)
+        log.close()
+        launch_args = dict(checkpoint=checkpoint, world_size=world_size, python=python, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, worker_args=list(worker_args), env=env,
+                           start_timeout_s=start_timeout_s, nproc_per_node=nproc_per_node)
+        deadline = time.monotonic() + start_timeout_s
+        while not os.path.exists(port_file):
+            if proc.poll() is not None:
+                raise RankGroupError(f"rank group exited with code {proc.returncode} while starting; "
+                                     f"log {log_path}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                _kill_group(proc)
+                raise RankGroupError(f"rank group not ready within {start_timeout_s:.0f} s; log {log_path}:\n"
+                                     f"{_tail(log_path)}")
+            time.sleep(0.1)
+        with open(port_file) as f:
+            info = json.load(f)
+        try:
+            sock = socket.create_connection((info["host"], info["port"]), timeout=30)
+        except OSError:
+            _kill_group(proc)
+            raise
+        sock.settimeout(None)
+        return cls(sock, proc, info, launch_args, log_path, workdir)
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float = 30.0) -> "RankGroup":
+        """Use a group started elsewhere (e.g. one torchrun per node) whose rank 0 serves `address`."""
+        host, port = parse_address(address)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=10)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RankGroupError(f"cannot reach the rank group at {address}: {e}") from None
+                time.sleep(0.5)
+        sock.settimeout(None)
+        g = cls(sock)
+        g.info = {k: v for k, v in g.health(timeout=timeout_s).items() if k not in ("event", "tag")}
+        g.info.update(host=host, port=port)
+        return g
+
+    def restart(self) -> "RankGroup":
+        """A fresh group with the same launch arguments (only for groups this client launched)."""
+        if self.launch_args is None:
+            raise RankGroupError("this group was not launched by this client; restart it where it runs")
+        self.shutdown(timeout=10)
+        return RankGroup.launch(**self.launch_args)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, prompt_ids, params: dict | None = None, request_id=None, callback=None) -> Stream:
+        """Send a request; its events arrive on the returned Stream (and `callback`, from the reader
+        thread). A dead group answers at once with a final UNAVAILABLE error event."""
+        rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        st = Stream(rid, callback)
+        with self.lock:
+            if str(rid) in self.streams:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            failure = self.failure
+            if failure is None:
+                self.streams[str(rid)] = st
+        if failure is not None:
+            st._put({"id": rid, "event": "error", "code": "UNAVAILABLE", "message": failure})
+            return st
+        msg = {"op": "submit", "id": rid, "prompt_ids": [int(t) for t in prompt_ids], "params": params or {}}
+        if not self._send(msg):
+            self._fail_stream(str(rid))
+        return st
+
+    def cancel(self, request_id) -> None:
+        self._send({"op": "cancel", "id": request_id})
+
+    def health(self, timeout: float = 10.0) -> dict:
+        """{"ok": bool, ...}: rank 0's answer, or ok=False with the reason it could not answer."""
+        if self.failure is not None:
+            return {"ok": False, "error": self.failure}
+        try:
+            return self._call("health", timeout)
+        except RankGroupError as e:
+            return {"ok": False, "error": str(e)}
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        return self._call("stats", timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and (self.proc is None or self.proc.poll() is None)
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.info.get("pids", []))
+
+    def shutdown(self, timeout: float = 30.0) -> int | None:
+        """Stop the group: a shutdown message (in-flight requests end with UNAVAILABLE), then, for a
+        group we launched, wait for its exit and escalate to SIGTERM and SIGKILL of its session."""
+        if self.failure is None:
+            try:
+                self._call("shutdown", min(timeout, 10.0))
+            except RankGroupError:
+                pass
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                code = _kill_group(self.proc)
+            if code == 0 and self.workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+        self._set_failure("rank group shut down")
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        return code
+
+    def close(self) -> None:
+        """Drop this connection (its requests end with UNAVAILABLE) and leave the group running."""
+        self._set_failure("connection closed by the client")
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _send(self, msg: dict) -> bool:
+        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        try:
+            with self.wlock:
+                self.sock.sendall(data)
+            return True
+        except OSError as e:
+            self._set_failure(f"rank group connection lost: {e}")
+            return False
+
+    def _call(self, op: str, timeout: float) -> dict:
+        tag = f"{op}-{next(self._ids)}"
+        q: queue.Queue = queue.Queue()
+        with self.lock:
+            if self.failure is not None:
+                raise RankGroupError(self.failure)
+            self.replies[tag] = q
+        try:
+            if not self._send({"op": op, "tag": tag}):
+                raise RankGroupError(self.failure or "rank group connection lost")
+            try:
+                reply = q.get(timeout=timeout)
+            except queue.Empty:
+                raise RankGroupError(f"rank group did not answer {op!r} within {timeout} s") from None
+        finally:
+            with self.lock:
+                self.replies.pop(tag, None)
+        if reply.get("event") == "error":
+            raise RankGroupError(reply.get("message", "error"), reply.get("code", "UNAVAILABLE"))
+        return reply
+
+    def _read(self) -> None:
+        reason = "rank group closed the connection"
+        try:
+            with self.sock.makefile("rb") as f:
+                for line in f:
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    self._dispatch(msg)
+        except OSError as e:
+            reason = f"rank group connection lost: {e}"
+        if self.proc is not None and self.proc.poll() is not None:
+            reason += f" (exit code {self.proc.returncode})"
+        self._set_failure(reason)
+
+    def _dispatch(self, msg: dict) -> None:
+        tag = msg.get("tag")
+        if tag is not None:
+            with self.lock:
+                q = self.replies.get(tag)
+            if q is not None:
+                q.put(msg)
+            return
+        if "id" not in msg:
+            return
+        key = str(msg["id"])
+        with self.lock:
+            st = self.streams.get(key)
+            if st is not None and (msg.get("event") == "error" or msg.get("finish_reason") is not None):
+                del self.streams[key]
+        if st is not None:
+            st._put(msg)
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        if self.failure is None:
+            time.sleep(0.5)  # let the reader deliver rank 0's own final messages first
+            self._set_failure(f"rank group exited with code {self.proc.returncode}")
+
+    def _fail_stream(self, key: str) -> None:
+        with self.lock:
+            st = self.streams.pop(key, None)
+        if st is not None:
+            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure or "unavailable"})
+
+    def _set_failure(self, reason: str) -> None:
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason
+            streams, self.streams = list(self.streams.values()), {}
+            replies = list(self.replies.values())
+        for st in streams:
+            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure})
+        for q in replies:
+            q.put({"event": "error", "code": "UNAVAILABLE", "message": self.failure})
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
+    """SIGTERM torchrun's session (torchrun then stops its workers), SIGKILL after `grace_s`; the
+    workers die with their parent (the worker sets PR_SET_PDEATHSIG)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
+# ---- `python -m v4flash_backend generate --world-size W` ---------------------------------------------
+def add_generate_arguments(parser) -> None:
+    """The rank-group options of the `generate` subcommand."""
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="run through a rank group of W ranks (torchrun) instead of in this process")
+    parser.add_argument("--address", default=None, help="use a running rank group at host:port")
+    parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
+
+
+def cli_generate(args) -> int:
+    """`generate` through a rank group; prints like the in-process command."""
+    prompt = list(args.prompt_ids or [])
+    tok = None
+    if getattr(args, "prompt", None) is not None:
+        from tokenizers import Tokenizer
+
+        from v4flash_backend.config import ModelConfig
+
+        tok = Tokenizer.from_file(f"{args.checkpoint}/tokenizer.json")
+        prompt = [ModelConfig.from_json(args.checkpoint).bos_token_id] + tok.encode(
+            args.prompt, add_special_tokens=False).ids
+    if not prompt:
+        print("error: give --prompt-ids or --prompt", file=sys.stderr)
+        return 2
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+              "top_p": args.top_p, "ignore_eos": bool(args.ignore_eos)}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    worker_args = ["--ops", getattr(args, "ops", "torch")]
+    t0 = time.perf_counter()
+    if args.address:
+        group = RankGroup.connect(args.address)
+    else:
+        group = RankGroup.launch(args.checkpoint, args.world_size or 1, python=args.python,
+                                 max_num_seqs=1, max_model_len=len(prompt) + args.max_tokens + 8,
+                                 worker_args=worker_args)
+    t1 = time.perf_counter()
+    try:
+        st = group.submit(prompt, params)
+        first = None
+        tokens, reason, last = [], None, None
+        for ev in st:
+            if ev.get("event") == "error":
+                print(f"error: {ev.get('code')}: {ev.get('message')}", file=sys.stderr)
+                return 2 if ev.get("code") == "INVALID_ARG" else 1
+            if ev["token_ids"] and first is None:
+                first = time.perf_counter()
+            tokens += ev["token_ids"]
+            reason, last = ev["finish_reason"], ev
+        t2 = time.perf_counter()
+    finally:
+        if not args.address:
+            group.shutdown()
+    print("output_ids:", " ".join(map(str, tokens)))
+    if tok is not None:
+        print("text:", tok.decode(tokens))
+    n = len(tokens)
+    dec = t2 - (first or t2)
+    print(f"finish_reason={reason} tokens={n} world_size={group.info.get('world_size')} start_s={t1 - t0:.1f} "
+          f"ttft_s={(first or t2) - t1:.3f} decode_tok_s={(n - 1) / dec if n > 1 and dec > 0 else 0:.1f} "
+          f"drafted={last['drafted']} accepted={last['accepted']}")
+    return 0

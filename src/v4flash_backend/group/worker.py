@@ -1,0 +1,584 @@
+"""The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
+
+Every rank loads its shard (`parallel`) and a `LocalRunner`. Rank 0 owns the request queue, the
+scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
+which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
+> 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
+same collectives. No pickles cross ranks; results stay on rank 0 (the last forward's DSpark taps
+stay on every rank, which is why ring writes name rows instead of shipping hidden states).
+
+Plan layout: int64[size]; header [MAGIC, op, sequence number, body length, a0, a1, a2, a3], then
+the body. FORWARD: a = (T tokens, S segments, L logits rows or -1 'last' / -2 'all' / -3 'none',
+want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes, items); body =
+per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. RESET: a0 = slot.
+GROW: a0 = the new plan size (both sides switch buffers; sizes only grow). NOOP: a heartbeat
+rank 0 sends when idle so followers waiting for a plan never reach the collective timeout; it is
+followed by a one-element world all-reduce (counted as 'heartbeat'), so a rank that hangs while
+the group is idle is noticed within the timeout, not at the next request; STOP: followers return.
+A plan is validated on rank 0 before it is sent, so a bad request cannot make ranks disagree. A
+dead rank breaks the next collective (gloo reports the closed connection; a hung one hits the
+timeout), that rank exits, and torchrun ends the others.
+
+Socket protocol (rank 0 <-> clients; `rank_group` is the client): one JSON object per line,
+UTF-8, over TCP (127.0.0.1 unless --host says otherwise; rank 0 writes the bound address to
+--port-file once every rank is ready). Several connections may be open; a request belongs to
+the connection that submitted it and is cancelled if that connection closes.
+  client -> server
+    {"op":"submit","id":ID,"prompt_ids":[int,...],"params":{"max_tokens":int,"temperature":float,
+     "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool}}
+    {"op":"cancel","id":ID}
+    {"op":"health","tag":T}  {"op":"stats","tag":T}  {"op":"shutdown","tag":T}
+  server -> client
+    {"id":ID,"event":"chunk","token_ids":[..],"context_ids":[..],"finish_reason":null|"stop"|
+     "length"|"cancelled","num_prompt_tokens":n,"num_output_tokens":n,"drafted":n,"accepted":n}
+    {"id":ID,"event":"error","code":"INVALID_ARG"|"UNAVAILABLE","message":str}
+    {"event":"health"|"stats"|"shutdown","tag":T,...}; a malformed line gets
+    {"event":"error","code":"INVALID_ARG","message":..,"tag":T} (with the id when it has one).
+  Every request ends with exactly one final message: a chunk with a finish_reason, or an error.
+
+Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`) with
+`--host <reachable address of rank 0> --port P`, then point the client at that address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from queue import Queue
+
+import torch
+
+MAGIC = 0x56344650
+HDR = 8
+OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK = range(6)
+OP_NAMES = {OP_NOOP: "noop", OP_STOP: "stop", OP_GROW: "grow", OP_RESET: "reset_slot",
+            OP_FORWARD: "forward", OP_DSPARK: "dspark"}
+_ROWS = {"last": -1, "all": -2, "none": -3}
+_ROWS_INV = {v: k for k, v in _ROWS.items()}
+
+
+class PlanError(RuntimeError):
+    """A follower received a plan it cannot decode (desynchronised or corrupted)."""
+
+
+def _long(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.long).reshape(-1)
+
+
+def pack_forward(tokens, spec, logits_rows, want_taps: bool):
+    tokens = _long(tokens)
+    spec_t = _long([v for s in spec for v in s])
+    if isinstance(logits_rows, str):
+        mode, rows = _ROWS[logits_rows], _long([])
+    else:
+        rows = _long(logits_rows)
+        mode = rows.numel()
+    return (tokens.numel(), len(spec), mode, int(bool(want_taps))), torch.cat([tokens, spec_t, rows])
+
+
+def unpack_forward(a, body: torch.Tensor):
+    T, S, mode, want = a
+    tokens = body[:T].clone()
+    spec = [tuple(r) for r in body[T:T + 3 * S].view(S, 3).tolist()]
+    rows = _ROWS_INV[mode] if mode < 0 else body[T + 3 * S:T + 3 * S + mode].clone()
+    return tokens, spec, rows, bool(want)
+
+
+def pack_dspark(writes, items):
+    parts = []
+    for slot, rows, positions in writes:
+        rows, positions = _long(rows), _long(positions)
+        if rows.numel() != positions.numel():
+            raise ValueError("a DSpark ring write needs one position per row")
+        parts += [_long([slot, rows.numel()]), rows, positions]
+    parts.append(_long([v for it in items for v in it]))
+    return (len(writes), len(items), 0, 0), torch.cat(parts)
+
+
+def unpack_dspark(a, body: torch.Tensor):
+    n_writes, n_items = a[0], a[1]
+    writes, off = [], 0
+    for _ in range(n_writes):
+        slot, m = body[off:off + 2].tolist()
+        writes.append((slot, body[off + 2:off + 2 + m].clone(), body[off + 2 + m:off + 2 + 2 * m].clone()))
+        off += 2 + 2 * m
+    items = [tuple(r) for r in body[off:off + 3 * n_items].view(n_items, 3).tolist()]
+    return writes, items
+
+
+class PlanRunner:
+    """Rank 0's runner: the `LocalRunner` interface, each call broadcast as a plan first."""
+
+    def __init__(self, local, coll, plan_size: int = 2048, heartbeat_s: float = 2.0):
+        self.local = local
+        self.model = local.model
+        self.cfg = local.cfg
+        self.state = local.state
+        self.drafter = local.drafter
+        self.coll = coll
+        self.size = plan_size
+        self.buf = torch.zeros(plan_size, dtype=torch.long)
+        self.seq = 0
+        self.heartbeat_s = heartbeat_s
+        self.last_send = time.monotonic()
+        self.sent = {name: 0 for name in OP_NAMES.values()}
+
+    def _send(self, op: int, a=(), body: torch.Tensor | None = None) -> None:
+        n = 0 if body is None else body.numel()
+        if HDR + n > self.size:
+            new = self.size
+            while new < HDR + n:
+                new *= 2
+            self._send(OP_GROW, (new,))
+            self.size, self.buf = new, torch.zeros(new, dtype=torch.long)
+        buf = self.buf
+        buf[:HDR] = _long([MAGIC, op, self.seq, n, *a, *([0] * (4 - len(a)))])
+        if n:
+            buf[HDR:HDR + n] = body
+        self.coll.broadcast(buf, 0, "world")
+        self.seq += 1
+        self.sent[OP_NAMES[op]] += 1
+        self.last_send = time.monotonic()
+
+    def _check_forward(self, tokens, spec) -> None:
+        st, V = self.state, self.cfg.vocab_size
+        if sum(int(n) for _, _, n in spec) != len(tokens):
+            raise ValueError("forward: the segments' lengths must add up to the number of tokens")
+        for slot, start, n in spec:
+            if not 0 <= slot < st.num_slots or start < 0 or n <= 0 or start + n > st.max_len:
+                raise ValueError(f"forward: bad segment (slot {slot}, start {start}, n {n}) for "
+                                 f"{st.num_slots} slots of {st.max_len} positions")
+        t = _long(tokens)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
+            raise ValueError(f"forward: token ids outside [0, {V})")
+
+    def reset_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.state.num_slots:
+            raise ValueError(f"reset_slot: slot {slot} outside 0..{self.state.num_slots - 1}")
+        self._send(OP_RESET, (slot,))
+        self.local.reset_slot(slot)
+
+    def forward(self, tokens, spec, logits_rows, want_taps: bool):
+        self._check_forward(tokens, spec)
+        a, body = pack_forward(tokens, spec, logits_rows, want_taps)
+        self.coll.begin_step()
+        self._send(OP_FORWARD, a, body)
+        out = self.local.forward(tokens, spec, logits_rows, want_taps)
+        self.coll.end_step()
+        return out
+
+    def dspark(self, writes, items):
+        for slot, _, _ in list(writes) + [(it[0], 0, 0) for it in items]:
+            if not 0 <= slot < self.state.num_slots:
+                raise ValueError(f"dspark: slot {slot} outside 0..{self.state.num_slots - 1}")
+        a, body = pack_dspark(writes, items)
+        self.coll.begin_step()
+        self._send(OP_DSPARK, a, body)
+        out = self.local.dspark(writes, items)
+        self.coll.end_step()
+        return out
+
+    def heartbeat_due_in(self) -> float:
+        return max(0.0, self.last_send + self.heartbeat_s - time.monotonic())
+
+    def heartbeat_if_due(self) -> None:
+        if self.heartbeat_due_in() == 0.0:
+            self._send(OP_NOOP)
+            self.coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+
+    def stop(self) -> None:
+        self._send(OP_STOP)
+
+
+def follow(local, coll, plan_size: int = 2048) -> int:
+    """Ranks > 0: execute rank 0's plans until STOP; returns the number of plans executed."""
+    buf = torch.zeros(plan_size, dtype=torch.long)
+    seq = 0
+    while True:
+        coll.broadcast(buf, 0, "world")
+        magic, op, got, n, *a = buf[:HDR].tolist()
+        if magic != MAGIC or got != seq or not 0 <= n <= buf.numel() - HDR:
+            raise PlanError(f"bad plan header {buf[:HDR].tolist()} (expected sequence {seq})")
+        seq += 1
+        body = buf[HDR:HDR + n]
+        if op == OP_NOOP:
+            coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+            continue
+        if op == OP_STOP:
+            return seq
+        if op == OP_GROW:
+            buf = torch.zeros(a[0], dtype=torch.long)
+        elif op == OP_RESET:
+            local.reset_slot(a[0])
+        elif op == OP_FORWARD:
+            coll.begin_step()
+            local.forward(*unpack_forward(a, body))
+            coll.end_step()
+        elif op == OP_DSPARK:
+            coll.begin_step()
+            local.dspark(*unpack_dspark(a, body))
+            coll.end_step()
+        else:
+            raise PlanError(f"unknown plan op {op}")
+
+
+# ---- rank 0: the socket server ----------------------------------------------------------------------
+_PARAMS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": "seed",
+           "stop_token_ids": "ids", "ignore_eos": bool}
+
+
+def parse_params(p) -> dict:
+    """Validate the `params` object of a submit message into engine.Request keyword arguments."""
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise ValueError("params must be an object")
+    out = {}
+    for k, v in p.items():
+        kind = _PARAMS.get(k)
+        if kind is None:
+            raise ValueError(f"unknown sampling parameter {k!r} (known: {', '.join(_PARAMS)})")
+        if kind is bool:
+            ok = isinstance(v, bool)
+        elif kind is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        elif kind == "seed":
+            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
+        else:
+            ok = isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            v = tuple(v) if ok else v
+        if not ok:
+            raise ValueError(f"sampling parameter {k!r} has the wrong type ({type(v).__name__})")
+        out[k] = v
+    return out
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, num: int):
+        self.sock, self.num = sock, num
+        self.out: Queue = Queue()
+        self.inflight: dict[str, tuple[str, object]] = {}  # str(client id) -> (engine id, client id)
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._write, daemon=True, name=f"conn{num}-writer").start()
+
+    def send(self, obj: dict) -> None:
+        if not self.closed:
+            self.out.put((json.dumps(obj, separators=(",", ":")) + "\n").encode())
+
+    def _write(self) -> None:
+        while True:
+            data = self.out.get()
+            if data is None:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.closed = True
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        self.out.put(None)
+
+
+class Server:
+    """Accepts client connections and turns their messages into engine calls."""
+
+    def __init__(self, engine, host: str, port: int, info: dict, stop: threading.Event, stats_extra=None):
+        self.engine, self.info, self.stop = engine, info, stop
+        self.stats_extra = stats_extra or (lambda: {})
+        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.address = self.sock.getsockname()[:2]
+        self.conns: dict[int, _Conn] = {}
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+        self._n = 0
+        threading.Thread(target=self._accept, daemon=True, name="accept").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                return
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.lock:
+                self._n += 1
+                c = _Conn(s, self._n)
+                self.conns[c.num] = c
+            threading.Thread(target=self._read, args=(c,), daemon=True, name=f"conn{c.num}-reader").start()
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            with c.sock.makefile("rb") as f:
+                for line in f:
+                    if line.strip():
+                        self._handle(c, line)
+        except OSError:
+            pass
+        finally:
+            with c.lock:
+                ids = [eid for eid, _ in c.inflight.values()]
+            for eid in ids:  # the client went away: its requests stop holding slots
+                self.engine.cancel(eid)
+            c.close()
+            with self.lock:
+                self.conns.pop(c.num, None)
+
+    def _handle(self, c: _Conn, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError("a message must be a JSON object")
+        except ValueError as e:
+            c.send({"event": "error", "code": "INVALID_ARG", "message": f"malformed message: {e}"})
+            return
+        op, tag = msg.get("op"), msg.get("tag")
+        if op == "submit":
+            self._submit(c, msg)
+        elif op == "cancel":
+            with c.lock:
+                hit = c.inflight.get(str(msg.get("id")))
+            if hit is not None:
+                self.engine.cancel(hit[0])
+        elif op == "health":
+            c.send(dict(event="health", tag=tag, ok=not self.stop.is_set(),
+                        uptime_s=round(time.monotonic() - self.started, 3), **self.info))
+        elif op == "stats":
+            c.send(dict(event="stats", tag=tag, engine=self.engine.stats(), **self.stats_extra()))
+        elif op == "shutdown":
+            c.send({"event": "shutdown", "tag": tag, "ok": True})
+            self.stop.set()
+            with self.engine.lock:
+                self.engine.wakeup.notify_all()
+        else:
+            c.send({"event": "error", "code": "INVALID_ARG", "tag": tag, "message": f"unknown op {op!r}"})
+
+    def _submit(self, c: _Conn, msg: dict) -> None:
+        from v4flash_backend.engine.engine import Request, RequestError
+
+        cid = msg.get("id")
+        key = str(cid)
+        try:
+            if cid is None or isinstance(cid, (dict, list)):
+                raise ValueError("submit needs an id (string or number)")
+            prompt = msg.get("prompt_ids")
+            if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt_ids must be a list of integers")
+            params = parse_params(msg.get("params"))
+            with c.lock:
+                if key in c.inflight:
+                    raise ValueError(f"request id {cid!r} is already in flight on this connection")
+                eid = f"{c.num}:{key}"
+                c.inflight[key] = (eid, cid)
+            req = Request(prompt=prompt, id=eid, callback=lambda ev: self._event(c, cid, ev), **params)
+        except (ValueError, TypeError) as e:
+            c.send({"id": cid, "event": "error", "code": "INVALID_ARG", "message": str(e)})
+            return
+        try:
+            self.engine.submit(req)
+        except RequestError as e:
+            with c.lock:
+                c.inflight.pop(key, None)
+            c.send({"id": cid, "event": "error", "code": e.code, "message": str(e)})
+        except (ValueError, TypeError) as e:
+            with c.lock:
+                c.inflight.pop(key, None)
+            c.send({"id": cid, "event": "error", "code": "INVALID_ARG", "message": str(e)})
+
+    def _event(self, c: _Conn, cid, ev) -> None:
+        if ev.final:
+            with c.lock:
+                c.inflight.pop(str(cid), None)
+        if ev.error is not None:
+            c.send({"id": cid, "event": "error", "code": ev.error_code or "UNAVAILABLE", "message": ev.error})
+            return
+        c.send({"id": cid, "event": "chunk", "token_ids": list(ev.token_ids), "context_ids": list(ev.context_ids),
+                "finish_reason": ev.finish_reason, "num_prompt_tokens": ev.num_prompt_tokens,
+                "num_output_tokens": ev.num_output_tokens, "drafted": ev.drafted, "accepted": ev.accepted})
+
+    def fail_all(self, message: str) -> None:
+        """Give every request still in flight its final UNAVAILABLE error (shutdown, crash)."""
+        with self.lock:
+            conns = list(self.conns.values())
+        for c in conns:
+            with c.lock:
+                ids = [cid for _, cid in c.inflight.values()]
+                c.inflight.clear()
+            for cid in ids:
+                c.send({"id": cid, "event": "error", "code": "UNAVAILABLE", "message": message})
+
+    def close(self, wait_s: float = 2.0) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        with self.lock:
+            conns = list(self.conns.values())
+        deadline = time.monotonic() + wait_s
+        for c in conns:  # let the writers flush the final messages
+            while not c.out.empty() and not c.closed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            c.close()
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def serve(engine, plan: PlanRunner, stop: threading.Event) -> None:
+    """Rank 0's loop: engine steps while there is work, heartbeat plans while idle."""
+    while not stop.is_set():
+        if engine.has_work():
+            engine.step()
+            continue
+        with engine.lock:
+            if not engine.has_work() and not stop.is_set():
+                engine.wakeup.wait(timeout=min(0.25, plan.heartbeat_due_in()))
+        plan.heartbeat_if_due()
+
+
+# ---- process setup ----------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """torchrun starts each worker in its own session; if torchrun itself is killed (SIGKILL by a
+    supervisor), the kernel sends us SIGTERM instead of leaving an orphan holding the device."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        sys.exit("parent process already gone")
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[v4flash rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m v4flash_backend.group.worker",
+                                 description="one rank of the v4flash rank group (start it with torchrun)")
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default)")
+    ap.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
+    ap.add_argument("--port-file", help="rank 0 writes {host, port, pids, ...} here once every rank is ready")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--step-token-budget", type=int, default=1024)
+    ap.add_argument("--spec-mode", default="dspark", choices=["dspark", "fixed", "off"])
+    ap.add_argument("--sps-path", default=None)
+    ap.add_argument("--ops", default=os.environ.get("V4FLASH_OPS", "torch"), choices=["torch", "nki-sim", "nki"])
+    ap.add_argument("--numerics", default=os.environ.get("V4FLASH_NUMERICS", "exact"), choices=["exact", "reference"])
+    ap.add_argument("--backend", default=None, help="torch.distributed backend (default gloo; neuron on trn2)")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
+    ap.add_argument("--heartbeat-s", type=float, default=2.0, help="idle plan interval (well under the timeout)")
+    ap.add_argument("--plan-size", type=int, default=2048, help="initial int64 slots of a step plan")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("V4FLASH_THREADS", "1")))
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not 0 < args.heartbeat_s < args.timeout_s / 2:
+        ap.error("--heartbeat-s must be positive and below half of --timeout-s (idle followers wait for it)")
+    _die_with_parent()
+    from v4flash_backend import ops
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.parallel.collectives import init_distributed
+    from v4flash_backend.parallel.comm import load_sharded_model
+
+    torch.set_num_threads(args.threads)
+    ops.set_backend(args.ops)
+    ops.set_numerics(args.numerics)
+    lay, coll = init_distributed(args.backend, args.timeout_s)
+    rank = lay.rank
+    t0 = time.monotonic()
+    if lay.world > 1:
+        model = load_sharded_model(args.checkpoint, lay, coll)
+    else:
+        from v4flash_backend.model.loading import load_model
+
+        model = load_model(args.checkpoint)
+    local = LocalRunner(model, args.max_num_seqs + 1, args.max_model_len)  # +1: the SPS scratch slot
+    # every rank's pid (for health reports); also the barrier after which all ranks are ready
+    pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
+    _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
+    if rank != 0:
+        follow(local, coll, args.plan_size)
+        _log(rank, "stop")
+        code = 0
+    else:
+        code = _serve_rank0(args, lay, coll, local, pids)
+    if lay.world > 1 and code == 0:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return code
+
+
+def _serve_rank0(args, lay, coll, local, pids) -> int:
+    from v4flash_backend.engine.engine import Engine, EngineConfig
+
+    stop = threading.Event()
+    info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+
+    def on_sigterm(*_):  # torchrun stopping the group (e.g. after another rank died)
+        info.setdefault("error", "rank group terminated (SIGTERM)")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    plan = PlanRunner(local, coll, args.plan_size, args.heartbeat_s)
+    engine = Engine(plan, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                       prefill_chunk=args.prefill_chunk, step_token_budget=args.step_token_budget,
+                                       spec_mode=args.spec_mode, sps_path=args.sps_path))
+
+    def extra():
+        return {"collectives_total": coll.as_json(dict(coll.total)),
+                "collectives_last_step": coll.as_json(dict(coll.last_step)), "plans": dict(plan.sent),
+                "plan_size": plan.size, "world_size": lay.world}
+
+    server = Server(engine, args.host, args.port, info, stop, extra)
+    host, port = server.address
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(host=host, port=port, **info), f)
+        os.replace(tmp, args.port_file)
+    _log(0, f"serving on {host}:{port}")
+    code = 0
+    try:
+        serve(engine, plan, stop)
+        reason = info.get("error", "rank group shutting down")
+        code = 1 if "error" in info else 0
+    except Exception as e:  # noqa: BLE001 - any failure ends the group; clients get UNAVAILABLE
+        code, reason = 1, f"rank group failed: {type(e).__name__}: {e}"
+        info["error"] = reason
+        stop.set()  # health now answers ok=false while the last messages go out
+        _log(0, reason)
+    server.fail_all(reason)
+    if code == 0:
+        try:
+            plan.stop()
+        except Exception as e:  # noqa: BLE001 - a follower already gone: nothing left to stop
+            _log(0, f"stop plan not delivered: {e}")
+    server.close()
+    _log(0, "exit")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

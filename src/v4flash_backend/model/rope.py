@@ -1,0 +1,72 @@
+"""Rotary embeddings of V4.1: interleaved pairs of the LAST rope_head_dim channels, YaRN on
+compressed layers (compress_rope_theta, ramp between beta_fast/beta_slow, no mscale), plain
+rope_theta on window-only layers and DSpark stages. The attention output gets the inverse rotation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from v4flash_backend.config import ModelConfig
+
+
+def rope_freqs(dim: int, base: float, original_seq_len: int, factor: float, beta_fast: int,
+               beta_slow: int) -> torch.Tensor:
+    """Per-pair angular frequencies [dim/2] fp32, with YaRN blending when original_seq_len > 0."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def corrected(rotations: float) -> float:
+            # the dimension whose wavelength completes `rotations` turns over the training context
+            return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected(beta_fast)), 0)
+        high = min(math.ceil(corrected(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+class Rope:
+    """cos/sin (as complex64) for any absolute positions, cached by table growth."""
+
+    def __init__(self, freqs: torch.Tensor):
+        self.freqs = freqs
+        self._table = torch.empty(0, freqs.numel(), dtype=torch.complex64)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._table.shape[0]:
+            n = max(need, 2 * self._table.shape[0], 256)
+            ang = torch.outer(torch.arange(n), self.freqs)  # int positions promote to fp32 as the reference does
+            self._table = torch.polar(torch.ones_like(ang), ang)
+        return self._table[positions.long()]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last rope channels of x [T, ..., d] by positions [T]; returns a new tensor."""
+        rd = 2 * self.freqs.numel()
+        cis = self.at(positions)
+        if inverse:
+            cis = cis.conj()
+        cis = cis.view(cis.shape[0], *([1] * (x.dim() - 2)), cis.shape[-1])
+        from v4flash_backend import ops
+
+        if ops.get_numerics() == "exact":  # complex128: no FMA / vectorization dependence
+            tail = torch.view_as_complex(x[..., -rd:].double().unflatten(-1, (-1, 2)))
+            cis = cis.to(torch.complex128)
+        else:
+            tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)))
+        rot = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
+        return torch.cat([x[..., :-rd], rot], dim=-1)
+
+
+def layer_rope(cfg: ModelConfig, layer: int) -> Rope:
+    """Window-only layers and DSpark stages: rope_theta without YaRN; compressed: YaRN."""
+    if cfg.compress_ratios[layer]:
+        f = rope_freqs(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
+                       cfg.beta_fast, cfg.beta_slow)
+    else:
+        f = rope_freqs(cfg.rope_head_dim, cfg.rope_theta, 0, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+    return Rope(f)

@@ -1,0 +1,178 @@
+"""The DeepSeek-V4.1-Flash forward: embed -> hc streams -> blocks (Engram, attention, MoE, single-
+pass mHC) -> collapse -> norm -> head, over a flattened batch of Segments extending per-slot state.
+
+The same function serves prefill (start 0, any length), chunked prefill, decode (n = 1) and
+speculative verification (n = 1 + drafts) for any mix of sequences. Collectives of a sharded run
+go through `comm` (LocalComm: W = 1, nothing to reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v4flash_backend import ops
+from v4flash_backend.config import ModelConfig
+
+from .attention import attention
+from .ffn import engram, moe
+from .rope import layer_rope
+from .state import ModelState, Segment
+from .weights import linear
+
+
+class LocalComm:
+    """Collective hooks of the forward, identity at world size 1. A sharded run substitutes an
+    object with the same methods (see `parallel`)."""
+
+    def embed(self, y):  # vocab-parallel embedding: masked rows summed over ranks
+        return y
+
+    def attn_out(self, W, prefix, x):  # row-parallel wo_b: partial sums reduced within the attention group
+        return linear(W, prefix, x)
+
+    def index_scores(self, q, k, w):  # indexer heads split across the attention group
+        return ops.indexer_scores(q, k, w)
+
+    def moe_out(self, y):  # experts partitioned by id: fp32 carry summed over the world
+        return y
+
+    def engram_rows(self, v):  # Engram table rows partitioned by rank
+        return v
+
+    def head(self, logits):  # vocab-parallel head: gather the vocab shards
+        return logits
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None  # [L, V] f32 for the requested rows
+    taps: torch.Tensor | None  # [T, n_taps * D] bf16: DSpark main_hidden of every row
+    final_hidden: torch.Tensor | None  # [L, D] bf16: normed input of the head for the requested rows
+
+
+class V41Model:
+    def __init__(self, cfg: ModelConfig, weights, hasher=None, comm=None):
+        self.cfg = cfg
+        self.W = weights
+        self.hasher = hasher
+        self.comm = comm or LocalComm()
+        self.ropes = {i: layer_rope(cfg, i) for i in range(cfg.n_total_layers)}
+        if cfg.engram_layer_ids and hasher is None:
+            raise ValueError("this config has Engram layers: pass an EngramHasher built from the tokenizer")
+
+    # ---- pieces, also used by the golden per-layer replay -------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.W["embed.weight"]
+        start = self.W.meta.get("vocab_start", 0)
+        local = tokens - start
+        miss = (local < 0) | (local >= table.shape[0])
+        y = table[local.masked_fill(miss, 0)].masked_fill(miss.unsqueeze(-1), 0)
+        return self.comm.embed(y)
+
+    def engram_hashes(self, state: ModelState, tokens: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
+        """Table rows [T, n_engram_layers, C] of every new row, updating the per-slot history ring."""
+        N = self.cfg.engram_max_ngram_size
+        R = state.eng_ring
+        out = []
+        for seg in segs:
+            comp = self.hasher.compress(tokens[seg.off:seg.off + seg.n])
+            lo = max(0, seg.start - (N - 1))
+            seq = torch.cat([state.engram_hist[seg.slot, torch.arange(lo, seg.start) % R], comp])
+            t = torch.arange(seg.start, seg.end).unsqueeze(1) - torch.arange(N)  # [n, N] positions
+            win = torch.where(t >= 0, seq[(t - lo).clamp_min(0)], -1)
+            keep = min(seg.n, R)
+            state.engram_hist[seg.slot, torch.arange(seg.end - keep, seg.end) % R] = comp[seg.n - keep:]
+            out.append(self.hasher.hash_windows(win))
+        return torch.cat(out)
+
+    def block(self, layer: int, h: torch.Tensor, pre_mix: torch.Tensor, segs, state, shared, positions,
+              capture: dict | None = None):
+        """One backbone block on streams h [T, hc, D]; returns (h, the FFN pre-mix for the next block)."""
+        def attn(x):
+            return attention(self.W, self.cfg, layer, x, segs, state, self.ropes[layer], shared, self.comm,
+                             positions)
+
+        return self.hc_block(f"layers.{layer}", self.cfg.n_activated_experts, h, pre_mix, attn, capture)
+
+    def hc_block(self, p: str, n_act: int, h: torch.Tensor, pre_mix: torch.Tensor, attn, capture=None,
+                 ffn=None):
+        """Single-pass mHC block: the attention collapses with the previous block's FFN pre-mix, the
+        FFN with the pre-mix this block's attention mixes produced; returns (h, FFN pre-mix).
+        `ffn(x)` replaces the routed MoE (the static step's dense-expert form, `static_step`)."""
+        cfg, W = self.cfg, self.W
+        mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        a_pre, a_post, a_comb = ops.hc_mixes(h, W[p + ".hc_attn_fn"], W[p + ".hc_attn_scale"],
+                                             W[p + ".hc_attn_base"], *mix)
+        x = ops.rms_norm(ops.hc_collapse(h, pre_mix), W[p + ".attn_norm.weight"], cfg.norm_eps)
+        a = attn(x)
+        h2 = ops.hc_post(a, h, a_post, a_comb)
+        f_pre, f_post, f_comb = ops.hc_mixes(h2, W[p + ".hc_ffn_fn"], W[p + ".hc_ffn_scale"],
+                                             W[p + ".hc_ffn_base"], *mix)
+        x2 = ops.rms_norm(ops.hc_collapse(h2, a_pre), W[p + ".ffn_norm.weight"], cfg.norm_eps)
+        f = moe(W, cfg, p, n_act, x2, self.comm, capture) if ffn is None else ffn(x2)
+        out = ops.hc_post(f, h2, f_post, f_comb)
+        if capture is not None:
+            capture.update(attn_in=x, attn_out=a, ffn_in=x2, ffn_out=f, x_out=out, pre_mix_out=f_pre)
+        return out, f_pre
+
+    def head_logits(self, h: torch.Tensor, pre_mix: torch.Tensor):
+        """Collapse with the last pre-mix, final norm, fp32 head: (logits f32, normed hidden bf16)."""
+        x = ops.rms_norm(ops.hc_collapse(h, pre_mix), self.W["norm.weight"], self.cfg.norm_eps)
+        return self.comm.head(ops.linear_f32(x, self.W["head.weight"])), x
+
+    # ---- the step -----------------------------------------------------------------------------
+    def forward(self, state: ModelState, tokens: torch.Tensor, segs: list[Segment], logits_rows="last",
+                want_taps: bool = False, captures: dict | None = None) -> StepOutput:
+        """Run new tokens [T] (the segments' rows, concatenated) through the backbone.
+
+        logits_rows: 'last' (the last row of each segment), 'all', 'none', or a LongTensor of rows.
+        captures: optional {layer: dict} filled with that layer's intermediate tensors.
+        """
+        cfg = self.cfg
+        tokens = tokens.long()
+        for seg in segs:
+            state.check_fits(seg)
+        positions = torch.cat([torch.arange(s.start, s.end) for s in segs])
+        hashes = self.engram_hashes(state, tokens, segs) if cfg.engram_layer_ids else None
+        h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix[:, 0] = 1.0
+        shared = [dict() for _ in segs]
+        taps = []
+        for i in range(cfg.n_layers):
+            if i in cfg.engram_layer_ids:
+                h = engram(self.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], self.comm)
+            if want_taps and i in cfg.dspark_target_layer_ids:
+                taps.append(stream_mean(h))  # the attention input of a target layer, averaged over streams
+            cap = captures.setdefault(i, {}) if captures is not None else None
+            if cap is not None:
+                cap.update(x_in=h, pre_mix_in=pre_mix)
+            h, pre_mix = self.block(i, h, pre_mix, segs, state, shared, positions, cap)
+            if cap is not None:
+                cap["shared"] = [dict(s) for s in shared]
+        rows = _rows(logits_rows, segs)
+        logits = hidden = None
+        if rows is not None:
+            logits, hidden = self.head_logits(h[rows], pre_mix[rows])
+        return StepOutput(logits, torch.cat(taps, dim=-1) if want_taps else None, hidden)
+
+
+def stream_mean(h: torch.Tensor) -> torch.Tensor:
+    """Mean over the hc streams of [T, hc, D] (bf16 out, as the reference's h.mean)."""
+    if ops.get_numerics() == "exact":
+        return h.double().mean(dim=1).to(h.dtype)
+    return h.mean(dim=1)
+
+
+def _rows(spec, segs):
+    if isinstance(spec, str):
+        if spec == "none":
+            return None
+        if spec == "all":
+            return torch.arange(segs[-1].off + segs[-1].n)
+        if spec == "last":
+            return torch.tensor([s.off + s.n - 1 for s in segs])
+        raise ValueError(f"logits_rows must be 'last', 'all', 'none' or a tensor, got {spec!r}")
+    return torch.as_tensor(spec, dtype=torch.long)

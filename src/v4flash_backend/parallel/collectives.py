@@ -1,0 +1,119 @@
+"""Every torch.distributed call of serving goes through `Collectives`, which counts calls, bytes
+and seconds per named group ('world', 'attn') and per step; `init_distributed` joins the group
+torchrun describes and creates the attention groups of the `Layout`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+
+from .layout import ATTN_GROUP_MAX, Layout
+
+
+class Collectives:
+    """The one place that calls torch.distributed during serving. Groups are named: 'world' and
+    'attn' (this rank's attention group; the world itself when W <= 8). Counters are
+    {(group, op): [calls, bytes, seconds]} for the whole run (`total`), the step in progress
+    (`step`) and the last finished step (`last_step`); bytes are this rank's payload."""
+
+    def __init__(self, groups: dict | None = None, sizes: dict | None = None):
+        self.groups = groups or {}
+        self.sizes = sizes or {}
+        self.total: dict = defaultdict(lambda: [0, 0, 0.0])
+        self.step: dict = defaultdict(lambda: [0, 0, 0.0])
+        self.last_step: dict = {}
+        self.steps = 0
+
+    def _count(self, group: str, op: str, nbytes: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        for d in (self.total, self.step):
+            c = d[(group, op)]
+            c[0] += 1
+            c[1] += nbytes
+            c[2] += dt
+
+    def size(self, group: str) -> int:
+        return self.sizes.get(group, 1)
+
+    def all_reduce(self, t: torch.Tensor, group: str, label: str = "all_reduce") -> torch.Tensor:
+        if self.size(group) == 1:
+            return t
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=self.groups[group])
+        self._count(group, label, t.numel() * t.element_size(), t0)
+        return t
+
+    def all_gather(self, t: torch.Tensor, group: str, label: str = "all_gather") -> list[torch.Tensor]:
+        if self.size(group) == 1:
+            return [t]
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.size(group))]
+        dist.all_gather(parts, t.contiguous(), group=self.groups[group])
+        self._count(group, label, t.numel() * t.element_size(), t0)
+        return parts
+
+    def broadcast(self, t: torch.Tensor, src: int, group: str = "world") -> torch.Tensor:
+        if self.size(group) == 1:
+            return t
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.broadcast(t, src=src, group=self.groups[group])
+        self._count(group, "broadcast", t.numel() * t.element_size(), t0)
+        return t
+
+    def begin_step(self) -> None:
+        self.step = defaultdict(lambda: [0, 0, 0.0])
+
+    def end_step(self) -> dict:
+        self.last_step = {k: list(v) for k, v in self.step.items()}
+        self.steps += 1
+        return self.last_step
+
+    @staticmethod
+    def calls(counts: dict, group: str | None = None, op: str | None = None) -> int:
+        return sum(c[0] for (g, o), c in counts.items() if group in (None, g) and op in (None, o))
+
+    @staticmethod
+    def as_json(counts: dict) -> dict:
+        return {f"{g}.{o}": {"calls": c[0], "bytes": c[1], "seconds": round(c[2], 6)}
+                for (g, o), c in sorted(counts.items())}
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 60.0) -> tuple[Layout, Collectives]:
+    """Join the process group torchrun describes (RANK / WORLD_SIZE / MASTER_ADDR in the
+    environment) and create the attention groups. A collective that waits longer than `timeout_s`
+    raises, so a hung or dead peer ends the rank instead of blocking it forever."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    # V4FLASH_ATTN_GROUP overrides the group size (tests use 2 to get several groups at W = 4)
+    lay = Layout(rank, world, int(os.environ.get("V4FLASH_ATTN_GROUP", ATTN_GROUP_MAX)))
+    if world == 1:
+        return lay, Collectives()
+    backend = backend or os.environ.get("V4FLASH_DIST_BACKEND", "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout)
+    world_pg = dist.group.WORLD
+    attn_pg = world_pg
+    if lay.n_groups > 1:  # every rank creates every group, in the same order
+        for g in range(lay.n_groups):
+            pg = dist.new_group(lay.group_ranks(g), timeout=timeout)
+            if g == rank // lay.group_size:
+                attn_pg = pg
+    coll = Collectives({"world": world_pg, "attn": attn_pg}, {"world": world, "attn": lay.group_size})
+    return lay, coll
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,292 @@
+"""`python -m v4flash_backend placement`: bytes per rank and collectives per step of the parallel
+layout, computed from a config alone (no tensor is allocated).
+
+- `tensor_specs(cfg)`: every tensor of a checkpoint in the official layout (name, shape,
+  safetensors dtype), derived from the config (tests check it against the golden checkpoint's
+  headers);
+- each tensor goes through `parallel.layout.shard_spec` (the rule the loader uses) and the in-memory
+  conversion of `weights.convert` (wo_a -> bf16, head / Markov / confidence / ratio-2 compressor ->
+  fp32), giving bytes per rank and component;
+- `cache_bytes`: the per-slot state of `model_state.ModelState` (replicated on every rank: the
+  single KV head is shared by all query heads) for max_num_seqs + 1 slots (the engine's scratch
+  slot) of max_model_len positions;
+- `collectives_per_forward` / `collectives_per_draft`: what `parallel.comm.DistComm` calls, by group.
+  The eager forward's indexer reduces its head sum once per segment (sequence) of a step, so its
+  attention-group count grows with the sequences in the step; `static_step` batches them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from v4flash_backend.config import ModelConfig
+
+from .layout import Layout, shard_spec
+
+_ITEM = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4, "I64": 8}
+GIB = 1024 ** 3
+COMPONENTS = ("experts", "attention", "engram_rows", "embed_head", "shared_ffn", "other")
+PORT_GIB_PER_RANK, PORT_WORLD_ALLREDUCE = 13.9, 43  # the trn2 port's README (PR #71)
+
+
+def _dense(name: str, out_dim: int, in_dim: int, fp8: bool):
+    if not fp8:
+        return [(name + ".weight", (out_dim, in_dim), "BF16")]
+    return [(name + ".weight", (out_dim, in_dim), "F8_E4M3"),
+            (name + ".scale", (math.ceil(out_dim / 32), math.ceil(in_dim / 32)), "F8_E8M0")]
+
+
+def _expert(name: str, out_dim: int, in_dim: int, cfg: ModelConfig):
+    if cfg.expert_dtype == "fp4":  # MXFP4: two e2m1 per byte, one e8m0 scale per 32 along K
+        return [(name + ".weight", (out_dim, in_dim // 2), "I8"), (name + ".scale", (out_dim, in_dim // 32), "F8_E8M0")]
+    return _dense(name, out_dim, in_dim, cfg.dtype == "fp8")
+
+
+def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every text-model tensor of an official checkpoint."""
+    fp8 = cfg.dtype == "fp8"
+    D, V, hd, hc = cfg.dim, cfg.vocab_size, cfg.head_dim, cfg.hc_mult
+    out = [("embed.weight", (V, D), "BF16"), ("head.weight", (V, D), "BF16"), ("norm.weight", (D,), "BF16")]
+    n_mtp = cfg.n_mtp_layers if cfg.dspark_block_size else 0
+    blocks = [(f"layers.{i}", i) for i in range(cfg.n_layers)] + [(f"mtp.{k}", cfg.n_layers + k) for k in range(n_mtp)]
+    for p, i in blocks:
+        a = p + ".attn"
+        out += [(a + ".attn_sink", (cfg.n_heads,), "F32"), (a + ".kv_norm.weight", (hd,), "BF16"),
+                (a + ".q_norm.weight", (cfg.q_lora_rank,), "BF16")]
+        out += _dense(a + ".wkv", hd, D, fp8) + _dense(a + ".wq_a", cfg.q_lora_rank, D, fp8)
+        out += _dense(a + ".wq_b", cfg.n_heads * hd, cfg.q_lora_rank, fp8)
+        out += _dense(a + ".wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * hd // cfg.o_groups, fp8)
+        out += _dense(a + ".wo_b", D, cfg.o_groups * cfg.o_lora_rank, fp8)
+        if i < cfg.n_layers and i in cfg.kv_source_layers:
+            c = a + ".compressor"
+            out += [(c + ".norm.weight", (hd,), "BF16"), (c + ".wkv.weight", (hd, D), "BF16")]
+            if cfg.compress_ratios[i] > 1:
+                out.append((c + ".wgate.weight", (hd, D), "BF16"))
+        if i < cfg.n_layers and i in cfg.index_source_layers:
+            x = a + ".indexer"
+            out += _dense(x + ".wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, fp8)
+            out.append((x + ".weights_proj.weight", (cfg.index_n_heads, D), "BF16"))
+            if i in cfg.kv_source_layers:
+                out += [(x + ".wk.weight", (cfg.index_head_dim, hd), "BF16"),
+                        (x + ".k_norm.weight", (cfg.index_head_dim,), "BF16")]
+        out += [(p + ".attn_norm.weight", (D,), "BF16"), (p + ".ffn_norm.weight", (D,), "BF16")]
+        if i < cfg.n_layers and i in cfg.engram_layer_ids:
+            e, rows = p + ".engram", cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]
+            out += [(e + ".embed.weight", (rows, cfg.engram_head_dim), "F8_E4M3"),
+                    (e + ".embed.scale", (rows, cfg.engram_head_dim // 32), "F8_E8M0"),
+                    (e + ".k_weight", (hc, D), "BF16"), (e + ".q_weight", (hc, D), "BF16")]
+            out += _dense(e + ".wkv", (hc + 1) * D, cfg.n_hash_cols * cfg.engram_head_dim, fp8)
+        E = cfg.moe_shape(i)[0]
+        f, inter = p + ".ffn", cfg.moe_inter_dim
+        for j in range(E):
+            x = f"{f}.experts.{j}"
+            out += _expert(x + ".w1", inter, D, cfg) + _expert(x + ".w2", D, inter, cfg)
+            out += _expert(x + ".w3", inter, D, cfg)
+        out += [(f + ".gate.bias", (E,), "F32"), (f + ".gate.bias_vl", (E,), "F32"),
+                (f + ".gate.weight", (E, D), "BF16")]
+        si = cfg.n_shared_experts * inter
+        s = f + ".shared_experts"
+        out += _dense(s + ".w1", si, D, fp8) + _dense(s + ".w2", D, si, fp8) + _dense(s + ".w3", si, D, fp8)
+        for sub in ("attn", "ffn"):
+            out += [(f"{p}.hc_{sub}_base", ((2 + hc) * hc,), "F32"),
+                    (f"{p}.hc_{sub}_fn", ((2 + hc) * hc, hc * D), "F32"), (f"{p}.hc_{sub}_scale", (3,), "F32")]
+    if n_mtp:
+        out += [("mtp.0.main_norm.weight", (D,), "BF16")]
+        out += _dense("mtp.0.main_proj", D, len(cfg.dspark_target_layer_ids) * D, fp8)
+        last, R = f"mtp.{n_mtp - 1}", cfg.dspark_markov_rank
+        out += [(last + ".confidence_head.proj.weight", (1, D + R), "BF16"),
+                (last + ".markov_head.embed.weight", (V, R), "BF16"),
+                (last + ".markov_head.head.weight", (V, R), "BF16"), (last + ".norm.weight", (D,), "BF16")]
+    return sorted(out)
+
+
+def _memory_dtype(name: str, st_dtype: str, cfg: ModelConfig) -> str | None:
+    """The dtype `weights.convert` keeps in memory (None: consumed at load, not kept)."""
+    if name.endswith("attn.wo_a.scale"):
+        return None
+    if name.endswith("attn.wo_a.weight") and st_dtype == "F8_E4M3":
+        return "BF16"
+    if name == "head.weight" or name.endswith(("markov_head.head.weight", "confidence_head.proj.weight")):
+        return "F32"
+    if ".attn.compressor.w" in name:
+        layer = int(name.split(".")[1])
+        if cfg.compress_ratios[layer] > 1:
+            return "F32"
+    return st_dtype
+
+
+def component(name: str) -> str:
+    if ".ffn.experts." in name:
+        return "experts"
+    if ".attn." in name:
+        return "attention"
+    if ".engram.embed." in name:
+        return "engram_rows"
+    if name in ("embed.weight", "head.weight"):
+        return "embed_head"
+    if ".shared_experts." in name or ".ffn.gate." in name:
+        return "shared_ffn"
+    return "other"
+
+
+def rank_bytes(cfg: ModelConfig, lay: Layout, specs=None) -> dict[str, int]:
+    """Bytes of weights rank `lay.rank` keeps, by component."""
+    out = dict.fromkeys(COMPONENTS, 0)
+    for name, shape, st in specs or tensor_specs(cfg):
+        rule = shard_spec(name, shape, cfg, lay)
+        dt = _memory_dtype(name, st, cfg)
+        if rule is None or dt is None:
+            continue
+        if rule[0] == "slice":
+            shape = tuple(rule[4] if d == rule[1] else s for d, s in enumerate(shape))
+        out[component(name)] += math.prod(shape) * _ITEM[dt]
+    return out
+
+
+def _expert_id(name: str) -> tuple[str, int] | None:
+    i = name.find(".ffn.experts.")
+    if i < 0:
+        return None
+    j = i + len(".ffn.experts.")
+    return name[: i + 4], int(name[j: name.index(".", j)])
+
+
+def all_rank_bytes(cfg: ModelConfig, world: int, specs=None) -> list[dict[str, int]]:
+    """`rank_bytes` of every rank. Routed experts (most of the ~10^5 tensors of the release) are
+    whole on one rank and partitioned by `Layout.expert_range` (the rule `shard_spec` applies), so
+    they are summed per expert once; everything else goes through `rank_bytes`."""
+    specs = specs or tensor_specs(cfg)
+    per_expert: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # ffn prefix -> id -> bytes
+    rest = []
+    for name, shape, st in specs:
+        key = _expert_id(name)
+        if key is None:
+            rest.append((name, shape, st))
+            continue
+        per_expert[key[0]][key[1]] += math.prod(shape) * _ITEM[st]
+    out = []
+    for r in range(world):
+        lay = Layout(r, world)
+        b = rank_bytes(cfg, lay, rest)
+        for sizes in per_expert.values():
+            b["experts"] += sum(sizes[j] for j in range(*lay.expert_range(len(sizes))))
+        out.append(b)
+    return out
+
+
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8) -> int:
+    """Bytes of `ModelState(cfg, num_slots, max_len, margin)` (every rank holds all of it)."""
+    hd, per_slot = cfg.head_dim, 0
+    per_slot += cfg.n_layers * (cfg.window_size + margin) * hd * 2
+    for src in cfg.kv_source_layers:
+        r = cfg.compress_ratios[src]
+        rows = (max_len + margin) // r + 1
+        per_slot += rows * hd * 2
+        if src in cfg.index_source_layers:
+            per_slot += rows * cfg.index_head_dim * 2
+        if r > 1:
+            per_slot += 2 * (r + margin) * hd * 4
+    per_slot += (max(cfg.engram_max_ngram_size, 1) + margin) * 8 + 8  # Engram history + ik_last
+    per_slot += (cfg.n_mtp_layers if cfg.dspark_block_size else 0) * cfg.window_size * hd * 2
+    return num_slots * per_slot
+
+
+def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool = True) -> dict:
+    """{(group, op): calls} of one `V41Model.forward` over `segments` [(start, n)] at world size
+    `world`: embed + one MoE per layer + Engram layers on the world; wo_b per layer plus the
+    indexer once per segment that reaches a compressed group, on the attention group."""
+    if world == 1:
+        return {}
+    index_calls = sum(1 for i in cfg.index_source_layers for start, n in segments
+                      if (start + n) // cfg.compress_ratios[i] > 0)
+    out = {("world", "all_reduce"): 1 + cfg.n_layers + len(cfg.engram_layer_ids),
+           ("attn", "all_reduce"): cfg.n_layers + index_calls}
+    if logits:
+        out[("world", "all_gather")] = 1
+    return out
+
+
+def collectives_per_draft(cfg: ModelConfig, world: int) -> dict:
+    """One `DSparkDrafter.draft`: embed, one MoE per stage, the head; wo_b per stage."""
+    if world == 1 or not cfg.dspark_block_size:
+        return {}
+    return {("world", "all_reduce"): 1 + cfg.n_mtp_layers, ("attn", "all_reduce"): cfg.n_mtp_layers,
+            ("world", "all_gather"): 1}
+
+
+def _add(a: dict, b: dict) -> dict:
+    out = defaultdict(int, a)
+    for k, v in b.items():
+        out[k] += v
+    return dict(out)
+
+
+def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, label: str = "") -> list[str]:
+    specs = tensor_specs(cfg)
+    caches = cache_bytes(cfg, max_num_seqs + 1, max_model_len)
+    per_rank = all_rank_bytes(cfg, world, specs)
+    for b in per_rank:
+        b["caches"] = caches
+    lay0 = Layout(0, world)
+    cols = list(COMPONENTS) + ["caches"]
+    lines = [f"placement of {label or 'config'}: world={world} attn_group={lay0.group_size} "
+             f"vocab_rows/rank={lay0.vocab_chunk(cfg.vocab_size)} experts/rank={cfg.n_routed_experts / world:g} "
+             f"(DSpark {cfg.moe_shape(cfg.n_layers)[0] / world:g}) caches for max_model_len={max_model_len} "
+             f"max_num_seqs={max_num_seqs} (+1 scratch slot)",
+             "GiB per rank   " + " ".join(f"{c:>11}" for c in cols) + f" {'total':>8}"]
+    seen = {}
+    for r, b in enumerate(per_rank):  # ranks with identical shards print once
+        seen.setdefault(tuple(b[c] for c in cols), []).append(r)
+    for key, ranks in seen.items():
+        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}..{ranks[-1]}" \
+            if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{len(ranks)} ranks"
+        lines.append(f"{name:<14} " + " ".join(f"{v / GIB:>11.4f}" for v in key) + f" {sum(key) / GIB:>8.4f}")
+    max_gib = max(sum(b.values()) for b in per_rank) / GIB
+    R = max_num_seqs
+    long_ctx = [(max_model_len - 1, 1)] * R  # decode rows of R sequences with compressed context
+    fwd = collectives_per_forward(cfg, world, long_ctx)
+    drf = collectives_per_draft(cfg, world)
+    step = _add(fwd, drf)
+    w_ar, g_ar = step.get(("world", "all_reduce"), 0), step.get(("attn", "all_reduce"), 0)
+    n_idx = len(cfg.index_source_layers)
+    lines += [
+        f"collectives per decode step ({R} sequences, forward + DSpark draft): "
+        f"world all_reduce {w_ar} (embed 1, MoE {cfg.n_layers}, Engram {len(cfg.engram_layer_ids)}, "
+        f"draft {drf.get(('world', 'all_reduce'), 0)}); attention-group all_reduce {g_ar} (wo_b {cfg.n_layers}, "
+        f"indexer {n_idx}x{R}, draft {drf.get(('attn', 'all_reduce'), 0)}); world all_gather "
+        f"{step.get(('world', 'all_gather'), 0)} (logits) ; plus one step-plan broadcast per runner call",
+        f"with the static decode step (`static_step`: the indexer reduces all sequences at once) the "
+        f"attention-group count is {cfg.n_layers + n_idx + drf.get(('attn', 'all_reduce'), 0)}",
+        f"compare: the port's README: {PORT_GIB_PER_RANK} GiB/rank, ~{PORT_WORLD_ALLREDUCE} world all-reduces "
+        f"per step; here {max_gib:.2f} GiB/rank max, {fwd.get(('world', 'all_reduce'), 0)} world all-reduces per "
+        f"target forward ({w_ar} with the draft)",
+        f"placement: world={world} max_gib_per_rank={max_gib:.2f} world_allreduce_per_step={w_ar} "
+        f"group_allreduce_per_step={g_ar}",
+    ]
+    return lines
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="release",
+                        help="config.json (or a checkpoint directory), or 'release' for the V4.1-Flash values")
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=65536)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+
+
+def main(args) -> int:
+    cfg = ModelConfig.release() if args.config == "release" else ModelConfig.from_json(args.config)
+    Layout(0, args.world_size)  # validates the world size
+    for line in report(cfg, args.world_size, args.max_model_len, args.max_num_seqs, str(args.config)):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m v4flash_backend placement")
+    add_arguments(ap)
+    sys.exit(main(ap.parse_args()))

@@ -1,0 +1,3 @@
+from .tiny import main
+
+raise SystemExit(main())

@@ -1,0 +1,479 @@
+"""The static decode step: one fixed-shape graph per row bucket, no host syncs inside it.
+
+`V41Model.forward` is shaped by Python values (segment lists, `int(start)`, per-expert `.tolist()`,
+ragged window widths), so on a Neuron device every step re-enters the host many times. Here the same
+forward is written over tensors only, for a bucket of S sequences x Q rows each (Q = 1 + DSpark block
+size, or 1 without DSpark):
+
+- a step is `tokens [S, Q]`, `slot [S]`, `start [S]` (position of row 0), `n [S]` (valid rows,
+  0 for a padding sequence); row i of sequence s sits at position start[s] + i;
+- every cache read is a gather with index tensors: the window is read as the span of positions
+  start - window + 1 .. start + Q - 1 from the ring, the compressed KV / index keys as the first
+  ctx // ratio rows (ctx = the bucket's context bound, a Python int baked into the graph);
+- every cache write is masked: invalid rows (padding rows, padding sequences, groups a step does not
+  complete) are redirected to a scratch slot and write back the value they read, so the state after
+  a step equals the eager forward's bit for bit;
+- top-k runs with a fixed k = min(index_topk, ctx // ratio), the picks beyond a row's reach masked
+  to -1; the attention slot order reproduces the eager layouts (so 'reference' numerics keep the
+  reference's 64-slot softmax blocks), with the extra -1 slots at the end;
+- the MoE runs every local expert on every row of the bucket, weighted by a dense [rows, experts]
+  routing matrix that is 0 where a row is not routed (the same PE work as a 128-row floor, and a
+  static graph). A zero-weight expert adds exactly +-0 to the fp32 carry, so the sum is unchanged.
+
+The building blocks are the model's own (`ops`, `hc_block`, `route`/`expert`, `engram`,
+`candidate_blocks`, `topk_idx`, `grouped_out`, the DSpark heads); only the per-segment loops are
+replaced. `HostSyncCounter` flags any device-to-host read while a step runs; tests run both entry
+points under `torch.compile(fullgraph=True)`, which fails on any graph break or host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from v4flash_backend import ops
+from v4flash_backend.formats import quant
+from v4flash_backend.model.attention import candidate_blocks, grouped_out, topk_idx
+from v4flash_backend.model.ffn import engram, expert, local_experts, route
+from v4flash_backend.model.rope import Rope
+from v4flash_backend.model.transformer import stream_mean
+from v4flash_backend.model.weights import linear
+
+# ---- host-sync detection ------------------------------------------------------------------------
+# Tensor methods / torch functions that read device values on the host (or whose output shape
+# depends on them, which is the same stall on a device): inside a step each is a host sync.
+_SYNC_NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+                         "numpy", "cpu", "nonzero", "argwhere", "unique", "unique_consecutive",
+                         "masked_select", "__repr__", "__format__", "bincount"})
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts host syncs (by op name) of the torch code that runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        sync = name in _SYNC_NAMES
+        if name == "where" and len(args) + len(kwargs) == 1:  # torch.where(cond) is nonzero
+            sync = True
+        if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            sync = True  # tensor repeats: the output length is data-dependent
+        if sync:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def graph_host_syncs(gm) -> list[str]:
+    """Host syncs left in a captured FX graph. torch.compile(fullgraph=True) raises on a
+    data-dependent Python branch or .tolist(), but captures `.item()` and `nonzero` into the graph
+    (as scalar / dynamic-shape ops) -- on a device each of those still stalls on a device-to-host
+    read, so a compile backend of the static step checks the graph with this as well."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_method":
+            name = node.target
+        elif node.op == "call_function":
+            name = getattr(node.target, "__name__", str(node.target))
+        else:
+            continue
+        name = name.split(".")[-1]
+        if name in _SYNC_NAMES or name in ("_local_scalar_dense", "sym_constrain_range_for_size") or (
+                name == "where" and len(node.args) + len(node.kwargs) == 1):
+            found.append(str(node.target))
+    return found
+
+
+# ---- buckets -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bucket:
+    """One compiled shape: `seqs` sequences of `rows` rows each, every position < `ctx`."""
+
+    seqs: int
+    rows: int
+    ctx: int
+
+    def __str__(self) -> str:
+        return f"S={self.seqs} Q={self.rows} ctx={self.ctx}"
+
+
+def bucket_sizes(limit: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` up to the first one >= limit (the last one is `limit` itself)."""
+    out, v = [], max(1, start)
+    while v < limit:
+        out.append(v)
+        v *= 2
+    return out + [limit]
+
+
+def pick_bucket(buckets: list[Bucket], seqs: int, rows: int, ctx_needed: int) -> Bucket:
+    """The smallest bucket holding `seqs` sequences of up to `rows` rows whose positions stay < ctx."""
+    fits = [b for b in buckets if b.seqs >= seqs and b.rows >= rows and b.ctx >= ctx_needed]
+    if not fits:
+        raise ValueError(f"no decode bucket holds {seqs} sequences x {rows} rows at context {ctx_needed}")
+    return min(fits, key=lambda b: (b.seqs * b.rows, b.ctx))
+
+
+# ---- pieces --------------------------------------------------------------------------------------
+class _TableRope(Rope):
+    """A Rope whose table already covers every position a bucket can address, so `at` is a plain
+    gather (the eager Rope grows its table with `int(positions.max())`, a host sync). The table
+    rows are the eager ones: row p is p * freqs, whatever the table length."""
+
+    def __init__(self, rope: Rope, n_positions: int):
+        super().__init__(rope.freqs)
+        rope.at(torch.tensor([n_positions - 1]))  # grow the shared table once, on the host
+        self._table = rope._table
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._table[positions.long()]
+
+
+def masked_put(buf: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor, val: torch.Tensor,
+               valid: torch.Tensor, scratch: int) -> None:
+    """buf[slot, idx] = val where valid. Invalid entries are redirected to (scratch, 0) and write
+    back the value already there, so duplicates among them are harmless and real slots untouched.
+    slot broadcasts against idx; val is idx's shape plus buf's trailing dims."""
+    slot, idx = torch.broadcast_tensors(slot, idx)
+    s = torch.where(valid, slot, scratch)
+    i = torch.where(valid, idx, 0)
+    old = buf[s, i]
+    mask = valid.reshape(valid.shape + (1,) * (old.dim() - valid.dim()))
+    buf[s, i] = torch.where(mask, val.to(buf.dtype), old)
+
+
+def moe_dense(W, cfg, layer_prefix: str, n_act: int, x: torch.Tensor, comm) -> torch.Tensor:
+    """`model_ffn.moe` with every local expert applied to every row, weighted by the dense routing
+    matrix (0 where not routed): the same fp32 carry, added in expert-id order, then the world
+    reduction and the shared expert. A zero weight makes swiglu's output, hence the expert's
+    output, +-0 (activations are clamped, so never 0 * inf), which leaves the carry unchanged."""
+    p = layer_prefix + ".ffn"
+    weights, ids = route(W, cfg, p, x, n_act)
+    n_experts = W[p + ".gate.weight"].shape[0]
+    dense = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype).scatter(1, ids, weights)
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for e in local_experts(W, p):
+        y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
+    y = comm.moe_out(y)
+    y += expert(W, p + ".shared_experts", x, None, cfg.swiglu_limit)
+    return y.to(x.dtype)
+
+
+@dataclass
+class _Geometry:
+    """Index tensors of one verify step, shared by every layer."""
+
+    S: int
+    Q: int
+    slot: torch.Tensor  # [S]
+    start: torch.Tensor  # [S]
+    n: torch.Tensor  # [S]
+    pos: torch.Tensor  # [S, Q]
+    valid: torch.Tensor  # [S, Q]
+    flat_pos: torch.Tensor  # [S*Q]
+    span_pos: torch.Tensor  # [S, window-1+Q]: the window positions any row of the step can see
+    widx: torch.Tensor  # [S, Q, window] window slots (indices into the span, -1 = none)
+    width: torch.Tensor  # [S] the eager layout's window width (slots after it are padding)
+
+
+class StaticDecoder:
+    """The static decode step over a model and its `ModelState`.
+
+    `scratch` is a state slot no sequence uses (default: the last one): padding sequences and masked
+    writes go there. The state's margin must cover the bucket's rows (rings hold window + margin).
+    """
+
+    def __init__(self, model, state, scratch: int | None = None, max_rows: int | None = None):
+        cfg = model.cfg
+        self.m, self.cfg, self.state = model, cfg, state
+        self.scratch = state.num_slots - 1 if scratch is None else scratch
+        self.B = cfg.dspark_block_size
+        self.max_rows = max_rows or (1 + self.B)
+        if self.max_rows > state.margin + 1:
+            raise ValueError(f"{self.max_rows} rows per sequence need a state margin >= {self.max_rows - 1} "
+                             f"(rings hold window + margin rows), got {state.margin}")
+        if state.reference_quirks:
+            raise ValueError("the static step does not replay the reference's index-key aliasing quirk")
+        # positions a step can address: rows up to max_len - 1 + (Q - 1), drafts up to max_len + B
+        n_pos = state.max_len + max(self.max_rows, self.B) + 1
+        self.ropes = {i: _TableRope(r, n_pos) for i, r in model.ropes.items()}
+        self.drafter = None
+        if self.B:
+            from v4flash_backend.model.dspark import DSparkDrafter
+
+            self.drafter = DSparkDrafter(model)
+
+    def padding_plan(self, seqs: int, rows: int):
+        """A plan of `seqs` padding sequences (scratch slot, no valid row): running it changes no
+        state, so it serves to warm caches and to compile a bucket."""
+        z = torch.zeros(seqs, dtype=torch.long)
+        return (torch.zeros(seqs, rows, dtype=torch.long), torch.full((seqs,), self.scratch, dtype=torch.long),
+                z, z.clone())
+
+    def prime(self, bucket: Bucket) -> None:
+        """Run both graphs of `bucket` once eagerly on a padding plan: fills the host-side caches the
+        ops backend keeps (e.g. the torch backend's dequantized weights, expert lists), so that a
+        compiled graph traced afterwards does not depend on them being filled later."""
+        tokens, slot, start, n = self.padding_plan(bucket.seqs, bucket.rows)
+        _, taps = self.verify(tokens, slot, start, n, bucket.ctx)
+        if self.drafter is not None and taps is not None:
+            self.draft(taps, n, slot, start, tokens[:, 0])
+
+    # ---- plan validation (host side, before the graph) ---------------------------------------------
+    def check_plan(self, bucket: Bucket, slot, start, n) -> None:
+        """Host-side checks of a plan's Python values (never called inside the graph)."""
+        st = self.state
+        for s, a, k in zip(slot, start, n):
+            if k == 0:
+                continue
+            if not 0 <= s < st.num_slots or s == self.scratch:
+                raise ValueError(f"slot {s} is not a usable slot (scratch is {self.scratch})")
+            if a + k > min(bucket.ctx, st.max_len):
+                raise ValueError(f"positions up to {a + k} exceed the bucket's ctx {bucket.ctx} "
+                                 f"or the state's max_len {st.max_len}")
+            if k > bucket.rows:
+                raise ValueError(f"{k} rows exceed the bucket's {bucket.rows} rows per sequence")
+
+    # ---- the verify / decode graph --------------------------------------------------------------------
+    def verify(self, tokens: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, n: torch.Tensor,
+               ctx: int):
+        """Target forward of a bucket: tokens [S, Q], slot/start/n [S] int64; ctx a Python int with
+        start + n <= ctx for every real sequence. Returns (logits [S*Q, V] f32, taps [S*Q, taps*D]
+        bf16, or None without DSpark). Rows i >= n[s] are padding: their outputs are garbage and they
+        write nothing."""
+        cfg, m = self.cfg, self.m
+        geo = self._geometry(slot, start, n, tokens.shape[1])
+        tok = tokens.reshape(-1).long()
+        hashes = self._engram_hashes(tok, geo) if cfg.engram_layer_ids else None
+        h = ops.hc_expand(m.embed(tok), cfg.hc_mult)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix[:, 0] = 1.0
+        shared: dict = {}
+        taps = []
+        for i in range(cfg.n_layers):
+            if i in cfg.engram_layer_ids:
+                h = engram(m.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], m.comm)
+            if i in cfg.dspark_target_layer_ids:
+                taps.append(stream_mean(h))
+            p = f"layers.{i}"
+            h, pre_mix = m.hc_block(
+                p, cfg.n_activated_experts, h, pre_mix,
+                lambda x, i=i: self._attention(i, x, geo, shared, ctx),
+                ffn=lambda x2, p=p: moe_dense(m.W, cfg, p, cfg.n_activated_experts, x2, m.comm))
+        logits, _ = m.head_logits(h, pre_mix)
+        return logits, (torch.cat(taps, dim=-1) if taps else None)
+
+    def _geometry(self, slot, start, n, Q: int) -> _Geometry:
+        Wn = self.cfg.window_size
+        S = slot.shape[0]
+        ar = torch.arange(Q)
+        pos = start[:, None] + ar
+        valid = ar < n[:, None]
+        span0 = start - (Wn - 1)  # first position of the span
+        span_pos = span0[:, None] + torch.arange(Wn - 1 + Q)
+        t = pos[:, :, None]
+        cols = torch.arange(Wn)
+        # eager layouts (model_attention.window_slots): a single-token step past position 0 takes the
+        # whole window oldest first with the empty slots in front; a chunk takes `width` slots from
+        # max(0, t - W + 1) with the not-yet-visible ones (-1) at the end
+        single = (n == 1) & (start > 0)
+        dec = t - Wn + 1 + cols
+        dec_idx = torch.where(dec < 0, -1, dec - span0[:, None, None])
+        chk = (t - Wn + 1).clamp_min(0) + cols
+        chk_idx = torch.where(chk > t, -1, chk - span0[:, None, None])
+        widx = torch.where(single[:, None, None], dec_idx, chk_idx)
+        width = torch.where(single, Wn, (start + n).clamp_max(Wn))
+        return _Geometry(S, Q, slot, start, n, pos, valid, pos.reshape(-1), span_pos, widx, width)
+
+    def _engram_hashes(self, tok: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+        """Table rows [S*Q, n_engram_layers, C], updating the history ring (valid rows only)."""
+        st, hs = self.state, self.m.hasher
+        N, R = self.cfg.engram_max_ngram_size, st.eng_ring
+        comp = hs.token_map[tok].view(geo.S, geo.Q)  # ids are validated by the engine, not here
+        masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, geo.valid, self.scratch)
+        t = geo.pos[:, :, None] - torch.arange(N)
+        win = torch.where(t >= 0, st.engram_hist[geo.slot[:, None, None], t % R], -1)
+        return hs.hash_windows(win).flatten(0, 1)
+
+    def _attention(self, layer: int, x: torch.Tensor, geo: _Geometry, shared: dict, ctx: int) -> torch.Tensor:
+        W, cfg, st = self.m.W, self.cfg, self.state
+        p = f"layers.{layer}.attn"
+        hd, eps, Wn = cfg.head_dim, cfg.norm_eps, cfg.window_size
+        S, Q = geo.S, geo.Q
+        rope = self.ropes[layer]
+        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
+        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), geo.flat_pos)
+        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], eps)
+        kv = quant.fp8_act_qdq(rope.apply(kv, geo.flat_pos))
+        ring = st.window[layer]
+        R = ring.shape[1]
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), geo.valid, self.scratch)
+        kv_all = ring[geo.slot[:, None], geo.span_pos % R]  # [S, Wn-1+Q, hd]
+        idx = geo.widx
+        ratio = cfg.compress_ratios[layer]
+        if ratio:
+            src = cfg.kv_source_of(layer)
+            C = ctx // ratio
+            latent = gids = gvalid = None
+            if layer == src:
+                latent, gids, gvalid = self._compress(layer, x, geo)
+            if layer in cfg.index_source_layers:
+                cidx = self._indexer(layer, x, qr, geo, latent, gids, gvalid, shared, C)
+                shared["topk"] = cidx
+            else:
+                cidx = shared["topk"]
+            if latent is not None:  # RoPE at the group's first position, then fp4 (groups of 16, e4m3 scales)
+                lat = quant.fp4_qdq(rope.apply(latent.flatten(0, 1), (gids * ratio).flatten()), 16, "e4m3")
+                masked_put(st.ckv[layer], geo.slot[:, None], gids, lat.view(gids.shape + (hd,)), gvalid,
+                           self.scratch)
+            comp = st.ckv[src][:, :C][geo.slot]  # [S, C, hd]
+            span = kv_all.shape[1]
+            kv_all = torch.cat([kv_all, comp], dim=1)
+            idx = _join_slots(geo.widx, torch.where(cidx >= 0, cidx + span, -1), geo.width)
+        o = ops.sparse_attn(q.view(S, Q, -1, hd), kv_all, W[p + ".attn_sink"], idx.int(), hd ** -0.5)
+        o = rope.apply(o.flatten(0, 1), geo.flat_pos, inverse=True)
+        return grouped_out(W, p, cfg, o, self.m.comm)
+
+    def _compress(self, layer: int, x: torch.Tensor, geo: _Geometry):
+        """Latents of the groups this step can complete: ([S, G, hd] bf16, group ids [S, G], valid)."""
+        W, cfg, st = self.m.W, self.cfg, self.state
+        r = cfg.compress_ratios[layer]
+        p = f"layers.{layer}.attn.compressor"
+        S, Q = geo.S, geo.Q
+        if r == 1:  # one token per group: no gate, bf16
+            lat = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".norm.weight"], cfg.norm_eps)
+            return lat.view(S, Q, -1), geo.pos, geo.valid
+        kv = linear(W, p + ".wkv", x.float())
+        score = linear(W, p + ".wgate", x.float())
+        ring, sring, R = st.pend_kv[layer], st.pend_score[layer], st.pend_ring[layer]
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), geo.valid, self.scratch)
+        masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), geo.valid, self.scratch)
+        G = -(-Q // r)  # a step of Q rows completes at most ceil(Q / r) groups
+        j = torch.arange(G)
+        gids = (geo.start // r)[:, None] + j
+        gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
+        gpos = (gids[:, :, None] * r + torch.arange(r)) % R
+        sl = geo.slot[:, None, None]
+        # invalid groups may pool never-written rows (-inf scores -> NaN); they are never written
+        pooled = ops.softmax_pool(ring[sl, gpos], sring[sl, gpos])
+        lat = ops.rms_norm(pooled.to(torch.bfloat16), W[p + ".norm.weight"], cfg.norm_eps)
+        return lat, gids, gvalid
+
+    def _indexer(self, layer, x, qr, geo: _Geometry, latent, gids, gvalid, shared: dict, C: int):
+        """Compressed-slot picks [S, Q, k] (-1 = none) over the first C compressed rows."""
+        W, cfg, st = self.m.W, self.cfg, self.state
+        r = cfg.compress_ratios[layer]
+        p = f"layers.{layer}.attn.indexer"
+        src = cfg.kv_source_of(layer)
+        S, Q = geo.S, geo.Q
+        rope = self.ropes[layer]
+        if latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
+            k = ops.rms_norm(linear(W, p + ".wk", latent.flatten(0, 1)), W[p + ".k_norm.weight"], cfg.norm_eps)
+            k = quant.fp4_qdq(rope.apply(k, (gids * r).flatten()), 32, "ue8m0")
+            masked_put(st.ik[layer], geo.slot[:, None], gids, k.view(gids.shape + (-1,)), gvalid, self.scratch)
+        ihd = cfg.index_head_dim
+        q = linear(W, p + ".wq_b", qr).unflatten(-1, (-1, ihd))
+        q = quant.fp4_qdq(rope.apply(q, geo.flat_pos), 32, "ue8m0")
+        keys = st.ik[src][:, :C][geo.slot]  # [S, C, ihd]
+        w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
+        score = self.m.comm.index_scores(q.view(S, Q, -1, ihd), keys, w.view(S, Q, -1))
+        clens = ((geo.pos + 1) // r).unsqueeze(-1)
+        score = score.masked_fill(torch.arange(C) >= clens, -torch.inf)
+        if layer == cfg.candidate_source_layer:
+            shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks,
+                                                    cfg.candidate_block_size)
+        elif 0 <= cfg.candidate_source_layer < layer:
+            score = score.masked_fill(~shared["candidates"], -torch.inf)
+        idx = topk_idx(score, min(cfg.index_topk, C)).sort(dim=-1).values
+        return torch.where(idx < clens, idx, -1)
+
+    # ---- the DSpark graph -----------------------------------------------------------------------------
+    def draft(self, taps: torch.Tensor, commit: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
+              anchor: torch.Tensor):
+        """Ring writes of the rows the last verify committed, then the draft block.
+
+        taps [S*Q, taps*D] (the verify's, bucket layout); commit [S]: rows 0..commit-1 of each
+        sequence are committed context (0: nothing to write, e.g. a padding sequence); the block sits
+        at positions start + commit .. + B - 1 with `anchor` [S] (the bonus token) first.
+        Returns (U [S, B, V] f32, hidden [S, B, D] bf16, greedy ids [S, B+1], greedy corrected logits
+        [S, B, V], confidence logits [S, B]) -- the greedy chain is `DSparkDrafter.greedy_chain`."""
+        cfg, m, st, d = self.cfg, self.m, self.state, self.drafter
+        S = slot.shape[0]
+        Q = taps.shape[0] // S
+        B, win = self.B, cfg.window_size
+        pos = start[:, None] + torch.arange(Q)
+        valid = torch.arange(Q) < commit[:, None]
+        main_x = d.main_x(taps)
+        for k in range(d.n_stages):
+            kv = self._stage_kv(k, main_x, pos.reshape(-1))
+            masked_put(st.dspark[k], slot[:, None], pos % win, kv.view(S, Q, -1), valid, self.scratch)
+        last = start + commit - 1  # the last position whose main-KV is in the ring
+        ids = torch.full((S, B), cfg.dspark_noise_token_id, dtype=torch.long)
+        ids[:, 0] = anchor
+        dpos = last[:, None] + 1 + torch.arange(B)
+        h = ops.hc_expand(m.embed(ids.flatten()), cfg.hc_mult)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix[:, 0] = 1.0
+        n_act = cfg.moe_shape(cfg.n_layers)[1]
+        for k in range(d.n_stages):
+            p = f"mtp.{k}"
+            h, pre_mix = m.hc_block(p, n_act, h, pre_mix,
+                                    lambda x, k=k: self._stage_attention(k, x, slot, last, dpos),
+                                    ffn=lambda x2, p=p: moe_dense(m.W, cfg, p, n_act, x2, m.comm))
+        x = ops.hc_collapse(h, pre_mix)
+        W = m.W
+        u = m.comm.head(ops.linear_f32(ops.rms_norm(x, W[d.last + ".norm.weight"], cfg.norm_eps),
+                                       W["head.weight"]))
+        from v4flash_backend.model.dspark import DraftOutput
+
+        out = DraftOutput(u.view(S, B, -1), x.view(S, B, -1))
+        g_ids, g_logits, conf = d.greedy_chain(out, anchor)
+        return out.base_logits, out.hidden, g_ids, g_logits, conf
+
+    def _stage_kv(self, k: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A DSpark stage's main-KV of rows x (as DSparkDrafter.write_ring / _attention compute it)."""
+        W, cfg = self.m.W, self.cfg
+        p = f"mtp.{k}.attn"
+        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], cfg.norm_eps)
+        return quant.fp8_act_qdq(self.ropes[cfg.n_layers + k].apply(kv, positions))
+
+    def _stage_attention(self, k: int, x: torch.Tensor, slot, last, dpos) -> torch.Tensor:
+        W, cfg, st = self.m.W, self.cfg, self.state
+        p, hd, eps, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.norm_eps, cfg.window_size, self.B
+        S = slot.shape[0]
+        rope = self.ropes[cfg.n_layers + k]
+        flat = dpos.reshape(-1)
+        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
+        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), flat)
+        kv = self._stage_kv(k, x, flat)
+        bank = torch.cat([st.dspark[k][slot], kv.view(S, B, hd)], dim=1)  # [S, win + B, hd]
+        # the eager slots: filled ring slots 0..m-1 in slot order, then the whole block (no causal
+        # mask), then padding -1
+        filled = (last + 1).clamp(0, win)[:, None]
+        j = torch.arange(win + B)
+        idx = torch.where(j < filled, j, torch.where(j < filled + B, win + j - filled, -1))
+        o = ops.sparse_attn(q.view(S, B, -1, hd), bank, W[p + ".attn_sink"],
+                            idx[:, None, :].expand(S, B, -1).int(), hd ** -0.5)
+        o = rope.apply(o.flatten(0, 1), flat, inverse=True)
+        return grouped_out(W, p, cfg, o, self.m.comm)
+
+
+def _join_slots(widx: torch.Tensor, cidx: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """Window slots [S, Q, Wn] then compressed slots [S, Q, K], with the window's padding columns
+    (>= width, all -1) moved behind the compressed ones: the eager order plus trailing -1."""
+    Wn, K = widx.shape[-1], cidx.shape[-1]
+    full = torch.cat([widx, cidx], dim=-1)
+    c = torch.arange(Wn + K)
+    w = width[:, None, None]
+    src = torch.where(c < w, c, c + (Wn - w))
+    picked = full.gather(-1, src.clamp_max(Wn + K - 1).expand(full.shape))
+    return torch.where(src < Wn + K, picked, -1)
