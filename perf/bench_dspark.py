@@ -21,9 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from v4flash_backend import ops  # noqa: E402
-from v4flash_backend.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from v4flash_backend.engine.engine import Engine  # noqa: E402
 from v4flash_backend.engine.runner import LocalRunner  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
+from v4flash_backend.request import GenerateRequest  # noqa: E402
+from v4flash_backend.settings import Settings  # noqa: E402
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -82,14 +84,14 @@ def prompts_for(ckpt: Path, model, n: int) -> list[list[int]]:
 
 def run(model, mode: str, prompts, max_tokens: int, temp: float, sps) -> dict:
     runner = LocalRunner(model, len(prompts) + 1, max(len(p) for p in prompts) + max_tokens + 16)
-    eng = Engine(runner, EngineConfig(max_num_seqs=len(prompts), max_model_len=runner.state.max_len - 8,
+    eng = Engine(runner, Settings(max_num_seqs=len(prompts), max_model_len=runner.state.max_len - 8,
                                       spec_mode=mode))
     if mode == "dspark":
         eng.sps = sps
     outs = {}
     reqs = []
     for i, p in enumerate(prompts):
-        r = Request(prompt=p, max_tokens=max_tokens, temperature=temp, seed=1000 + i, ignore_eos=True)
+        r = GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=1000 + i, ignore_eos=True)
         outs[r.id] = []
         r.callback = outs[r.id].append
         reqs.append(r)
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temps.split(",")]
     # profile SPS(B) once, up to the largest batch's verify size, and share it across runs
     prof = Engine(LocalRunner(model, max(batches) + 1, 512),
-                  EngineConfig(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark"))
+                  Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark"))
     sps = prof.ensure_sps()
     print(f"SPS table (steps/s of a B-token forward): {sps}")
     final = None

@@ -3,7 +3,7 @@ import sys
 
 import torch
 
-from v4flash_backend.engine.single import generate
+from v4flash_backend.engine.single import generate_single as generate
 from v4flash_backend.model.state import ModelState, make_segments
 
 

@@ -7,12 +7,14 @@ import threading
 import pytest
 import torch
 
-from v4flash_backend.engine.engine import Engine, EngineConfig, Request, RequestError
+from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.request import GenerateRequest, RequestError
+from v4flash_backend.settings import Settings
 
 
 def _engine(model, mode="dspark", seqs=4, max_len=160, **kw):
-    return Engine(LocalRunner(model, seqs + 1, max_len), EngineConfig(max_num_seqs=seqs, max_model_len=max_len,
+    return Engine(LocalRunner(model, seqs + 1, max_len), Settings(max_num_seqs=seqs, max_model_len=max_len,
                                                                         spec_mode=mode, prefill_chunk=24, **kw))
 
 
@@ -35,7 +37,7 @@ def _collect(eng, reqs):
 
 def _alone(model, r):
     eng = _engine(model, mode="off", seqs=1)
-    ev = eng.generate(Request(prompt=r.prompt, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
+    ev = eng.run_request(GenerateRequest(prompt=r.prompt, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
                               stop_token_ids=r.stop_token_ids))
     return [t for e in ev for t in e.token_ids]
 
@@ -44,7 +46,7 @@ def _alone(model, r):
 def test_concurrent_requests_equal_alone_and_free_slots(tiny_model, mode):
     eng = _engine(tiny_model, mode)
     specs = [(5, 9), (40, 3), (17, 12), (1, 6), (63, 8), (9, 1), (30, 10), (12, 7), (25, 5)]
-    reqs = [Request(prompt=_prompt(n, i), max_tokens=k, ignore_eos=True) for i, (n, k) in enumerate(specs)]
+    reqs = [GenerateRequest(prompt=_prompt(n, i), max_tokens=k, ignore_eos=True) for i, (n, k) in enumerate(specs)]
     events = _collect(eng, reqs)
     for r in reqs:
         ev = events[r.id]
@@ -65,9 +67,9 @@ def test_concurrent_requests_equal_alone_and_free_slots(tiny_model, mode):
 
 def test_cancel_frees_slot_within_one_step(tiny_model):
     eng = _engine(tiny_model, seqs=2)
-    a = Request(prompt=_prompt(10, 1), max_tokens=100, ignore_eos=True)
-    b = Request(prompt=_prompt(10, 2), max_tokens=100, ignore_eos=True)
-    c = Request(prompt=_prompt(10, 3), max_tokens=3, ignore_eos=True)
+    a = GenerateRequest(prompt=_prompt(10, 1), max_tokens=100, ignore_eos=True)
+    b = GenerateRequest(prompt=_prompt(10, 2), max_tokens=100, ignore_eos=True)
+    c = GenerateRequest(prompt=_prompt(10, 3), max_tokens=3, ignore_eos=True)
     got = {r.id: [] for r in (a, b, c)}
     for r in (a, b, c):
         r.callback = got[r.id].append
@@ -86,12 +88,12 @@ def test_cancel_frees_slot_within_one_step(tiny_model):
 
 
 def test_stop_tokens_and_eos(tiny_model):
-    r = Request(prompt=_prompt(20, 5), max_tokens=12, ignore_eos=True)
+    r = GenerateRequest(prompt=_prompt(20, 5), max_tokens=12, ignore_eos=True)
     full = _alone(tiny_model, r)
     stop = full[4]
     cut = full[: full.index(stop) + 1]
     eng = _engine(tiny_model)
-    ev = eng.generate(Request(prompt=r.prompt, max_tokens=12, stop_token_ids=(stop,)))
+    ev = eng.run_request(GenerateRequest(prompt=r.prompt, max_tokens=12, stop_token_ids=(stop,)))
     assert [t for e in ev for t in e.token_ids] == cut and ev[-1].finish_reason == "stop"
 
 
@@ -109,25 +111,25 @@ def test_stop_tokens_and_eos(tiny_model):
 def test_bad_requests_get_clear_errors(tiny_model, kw, msg):
     eng = _engine(tiny_model)
     with pytest.raises(RequestError, match=msg) as e:
-        eng.submit(Request(**kw))
+        eng.submit(GenerateRequest(**kw))
     assert e.value.code == "INVALID_ARG" and eng.stats()["waiting"] == 0
 
 
 def test_queue_timeout_is_an_error_not_a_hang(tiny_model):
     eng = _engine(tiny_model, seqs=1, queue_timeout_s=0.0)
     got = []
-    eng.submit(Request(prompt=[0, 5], max_tokens=50, ignore_eos=True))
+    eng.submit(GenerateRequest(prompt=[0, 5], max_tokens=50, ignore_eos=True))
     eng.step()
-    eng.submit(Request(prompt=[0, 6], max_tokens=5, callback=got.append))
+    eng.submit(GenerateRequest(prompt=[0, 6], max_tokens=5, callback=got.append))
     eng.step()
     assert got and got[-1].error_code == "UNAVAILABLE" and "no free slot" in got[-1].error
 
 
 def test_seeded_sampling_is_batch_independent_without_speculation(tiny_model):
     r = dict(prompt=_prompt(8, 9), max_tokens=6, temperature=1.0, top_k=50, seed=77, ignore_eos=True)
-    alone = [t for e in _engine(tiny_model, "off", 1).generate(Request(**r)) for t in e.token_ids]
+    alone = [t for e in _engine(tiny_model, "off", 1).run_request(GenerateRequest(**r)) for t in e.token_ids]
     eng = _engine(tiny_model, "off")
-    reqs = [Request(**r)] + [Request(prompt=_prompt(15, i), max_tokens=6, temperature=1.0, ignore_eos=True)
+    reqs = [GenerateRequest(**r)] + [GenerateRequest(prompt=_prompt(15, i), max_tokens=6, temperature=1.0, ignore_eos=True)
                              for i in range(3)]
     ev = _collect(eng, reqs)
     assert [t for e in ev[reqs[0].id] for t in e.token_ids] == alone
@@ -140,7 +142,7 @@ def test_run_loop_serves_from_another_thread(tiny_model):
     th.start()
     done = threading.Event()
     out = []
-    eng.submit(Request(prompt=[0, 5, 6], max_tokens=4, ignore_eos=True,
+    eng.submit(GenerateRequest(prompt=[0, 5, 6], max_tokens=4, ignore_eos=True,
                        callback=lambda e: (out.append(e), e.final and done.set())))
     assert done.wait(60)
     stop.set()

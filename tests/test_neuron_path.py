@@ -109,7 +109,8 @@ def test_warm_up_compiles_each_bucket_once():
 def test_neuron_imports_stay_on_the_neuron_path():
     code = (
         "import sys, torch\n"
-        "from v4flash_backend import neuron, static_step, ops\n"
+        "from v4flash_backend import ops\n"
+        "from v4flash_backend.trn2 import neuron, static_step\n"
         "ops.set_backend('torch')\n"
         "neuron.apply_env(neuron.NeuronSettings(cache_dir=sys.argv[1]), environ={})\n"
         "g = neuron.StaticGraphs(None, [], neuron.NeuronSettings(backend='eager'))\n"
@@ -127,15 +128,17 @@ def test_neuron_imports_stay_on_the_neuron_path():
 def test_static_runner_drives_the_engine(tiny_model):
     """Greedy DSpark decoding through the static graphs (run uncompiled: backend 'none') equals the
     eager runner's tokens exactly ('exact' numerics), with 2 graph executions per decode step."""
-    from v4flash_backend.engine.engine import Engine, EngineConfig, Request
+    from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.request import GenerateRequest
+    from v4flash_backend.settings import Settings
 
     ops.set_numerics("exact")
     prompt = [0, 17, 230, 5, 99, 41, 8, 300, 12]
 
     def run(runner):
-        eng = Engine(runner, EngineConfig(max_num_seqs=2, max_model_len=64, spec_mode="fixed", fixed_len=5))
-        ev = eng.generate(Request(prompt=list(prompt), max_tokens=10, ignore_eos=True))
+        eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode="fixed", fixed_len=5))
+        ev = eng.run_request(GenerateRequest(prompt=list(prompt), max_tokens=10, ignore_eos=True))
         return [t for e in ev for t in e.token_ids], eng.totals["steps"]
 
     want, _ = run(LocalRunner(tiny_model, 3, 64))

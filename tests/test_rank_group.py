@@ -20,7 +20,8 @@ import torch
 
 from v4flash_backend.group import rank_group
 from v4flash_backend.group.rank_group import RankGroup, RankGroupError
-from v4flash_backend.group.worker import parse_params
+from v4flash_backend.request import parse_wire_params as parse_params
+from v4flash_backend.settings import Settings
 
 
 def _prompt(n, seed):
@@ -29,19 +30,21 @@ def _prompt(n, seed):
 
 
 def _alone(model, prompt, max_tokens):
-    from v4flash_backend.engine.engine import Engine, EngineConfig, Request
+    from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.request import GenerateRequest
+    from v4flash_backend.settings import Settings
 
-    eng = Engine(LocalRunner(model, 2, 128), EngineConfig(max_num_seqs=1, max_model_len=128, spec_mode="off"))
-    ev = eng.generate(Request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True))
+    eng = Engine(LocalRunner(model, 2, 128), Settings(max_num_seqs=1, max_model_len=128, spec_mode="off"))
+    ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True))
     return [t for e in ev for t in e.token_ids]
 
 
 def _launch(golden_dir, **kw):
     # 'fixed' speculation drafts every step (the DSpark plans run) without the SPS profiling pass
-    return RankGroup.launch(str(golden_dir), 2, max_num_seqs=3, max_model_len=128,
-                            worker_args=["--spec-mode", "fixed", "--heartbeat-s", "1", "--timeout-s", "20"],
-                            start_timeout_s=300, **kw)
+    settings = Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=3, max_model_len=128,
+                        spec_mode="fixed", heartbeat_s=1.0, collective_timeout_s=20.0, startup_timeout_s=300.0)
+    return RankGroup.launch(settings, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_connect_by_address_and_cli_generate(group, tiny_model, capsys):
     args = argparse.Namespace(prompt_ids=p, prompt=None, checkpoint=None, max_tokens=5, temperature=0.0, top_k=0,
                               top_p=1.0, seed=None, ignore_eos=True, world_size=None, address=address, python=None,
                               ops="torch")
-    assert rank_group.cli_generate(args) == 0
+    assert rank_group.generate_via_group(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "output_ids: " + " ".join(map(str, _alone(tiny_model, p, 5)))
     assert out[-1].startswith("finish_reason=length tokens=5 world_size=2")

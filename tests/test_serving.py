@@ -16,18 +16,21 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.serving import triton_io
 from v4flash_backend.serving.detok import StreamDetokenizer
 from v4flash_backend.serving.metrics import ServingMetrics
-from v4flash_backend.serving.request import GenerateRequest, RequestParser, ServingError
+from v4flash_backend.serving.request import RequestParser
 from v4flash_backend.serving.response import OUTPUT_NAMES, ResponseBuilder
 from v4flash_backend.serving.service import GenerateService
 from v4flash_backend.serving.settings import (
     CHECKPOINT_ENV,
-    ServingSettings,
     default_checkpoint_dir,
+    load_settings,
     resolve_checkpoint_dir,
+    tokenizer_path,
 )
+from v4flash_backend.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO.parent / "shared" / "golden" / "v41-tiny"
@@ -43,7 +46,7 @@ def parser(max_model_len=32, tokenize=None):
 
 
 def bad(inputs, match, parameters=None, p=None):
-    with pytest.raises(ServingError, match=match) as info:
+    with pytest.raises(RequestError, match=match) as info:
         (p or parser()).parse(inputs, parameters)
     assert info.value.code == "INVALID_ARG"
 
@@ -85,21 +88,19 @@ def _config(**params):
 def test_settings_parse_and_name_bad_parameters(tmp_path):
     ckpt = _ckpt(tmp_path / "ckpt")
     model_dir = tmp_path / "v4flash"
-    s = ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), world_size="4", max_num_seqs="2",
-                                                  max_model_len="99", dspark="false", ops_backend="nki-sim"),
-                                          model_dir)
+    s = load_settings(_config(checkpoint_dir=str(ckpt), world_size="4", max_num_seqs="2",
+                              max_model_len="99", dspark="false", ops_backend="nki-sim"), model_dir).settings
     assert (s.world_size, s.max_num_seqs, s.max_model_len, s.spec_mode, s.ops_backend) == (4, 2, 99, "off", "nki-sim")
-    assert s.tokenizer_path == ckpt / "tokenizer.json"
+    assert tokenizer_path(s) == ckpt / "tokenizer.json"
     for key, value, match in [("world_size", "two", "'world_size' must be an integer"),
                               ("max_num_seqs", "0", "'max_num_seqs' must be >= 1"),
                               ("dspark", "maybe", "'dspark' must be true or false"),
                               ("ops_backend", "cuda", "'ops_backend' must be one of torch, nki, nki-sim"),
                               ("launcher", "ssh", "'launcher' must be one of")]:
         with pytest.raises(ValueError, match=match):
-            ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), **{key: value}), model_dir)
+            load_settings(_config(checkpoint_dir=str(ckpt), **{key: value}), model_dir)
     with pytest.raises(ValueError, match="inprocess runs one rank"):
-        ServingSettings.from_model_config(_config(checkpoint_dir=str(ckpt), launcher="inprocess", world_size="2"),
-                                          model_dir)
+        load_settings(_config(checkpoint_dir=str(ckpt), launcher="inprocess", world_size="2"), model_dir)
 
 
 # ---- request parsing --------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_min_tokens_as_genai_perf_sends_it():
                                                                                     dtype=object)})
     assert parse({"max_tokens": 7, "min_tokens": 7}).ignore_eos
     assert not parse({"max_tokens": 7, "min_tokens": 0}).ignore_eos
-    with pytest.raises(ServingError, match="min_tokens must be 0 or equal to max_tokens"):
+    with pytest.raises(RequestError, match="min_tokens must be 0 or equal to max_tokens"):
         parse({"max_tokens": 7, "min_tokens": 3})
 
 
@@ -444,7 +445,7 @@ def test_in_process_engine_streams_what_it_returns_whole(tokenizer):
     assert text == whole[0][0]["text_output"][0].decode() == tokenizer.decode(ids)
 
 
-# ---- the rank-group backend ---------------------------------------------------------------
+# ---- the rank-group engine client ---------------------------------------------------------------
 class FakeGroup:
     """Stands in for rank_group.RankGroup: records launches, submissions and shutdowns."""
 
@@ -456,9 +457,9 @@ class FakeGroup:
         self.submitted, self.cancelled, self.shut_down = [], [], False
 
     @classmethod
-    def launch(cls, checkpoint, world_size, **kw):
+    def launch(cls, settings, **kw):
         g = cls()
-        cls.launched.append((checkpoint, world_size, kw, g))
+        cls.launched.append((settings, kw, g))
         return g
 
     def submit(self, prompt, params, request_id=None, callback=None):
@@ -481,21 +482,22 @@ class FakeGroup:
         self.alive = False
 
 
-def test_rank_group_backend_launches_warms_up_forwards_and_restarts(monkeypatch):
-    from v4flash_backend.serving import rank_group_backend as rgb
+def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
+    from v4flash_backend.serving import rank_group_client as rgc
 
     FakeGroup.launched = []
-    monkeypatch.setattr(rgb, "RankGroup", FakeGroup)
-    settings = ServingSettings(checkpoint_dir=GOLDEN, world_size=2, max_num_seqs=3, max_model_len=77,
-                               dspark=False, sps_path="/tmp/sps.json")
+    monkeypatch.setattr(rgc, "RankGroup", FakeGroup)
+    settings = Settings(checkpoint_dir=GOLDEN, world_size=2, max_num_seqs=3, max_model_len=77,
+                        spec_mode="off", sps_path="/tmp/sps.json")
     logs = []
-    backend = rgb.RankGroupBackend(settings, logs.append, watchdog_interval_s=0.02)
+    backend = rgc.RankGroupEngine(settings, logs.append, watchdog_interval_s=0.02)
     try:
         assert backend.vocab_size == V  # from the checkpoint's config.json
-        [(ckpt, world, kw, first)] = FakeGroup.launched
-        assert (ckpt, world, kw["max_num_seqs"], kw["max_model_len"]) == (str(GOLDEN), 2, 3, 77)
-        args = kw["worker_args"]
-        assert args[args.index("--spec-mode") + 1] == "off" and args[args.index("--sps-path") + 1] == "/tmp/sps.json"
+        [(launched, kw, first)] = FakeGroup.launched
+        assert (launched.checkpoint_dir, launched.world_size, launched.max_num_seqs, launched.max_model_len) == (
+            str(GOLDEN), 2, 3, 77)
+        wire = Settings.from_json(launched.to_json())  # what the workers receive
+        assert wire.spec_mode == "off" and wire.sps_path == "/tmp/sps.json"
         assert first.submitted[0][1] == {"max_tokens": 2, "ignore_eos": True}  # the warm-up request
         req = GenerateRequest(prompt=[0, 7], max_tokens=5, seed=3, stop_token_ids=(9,))
         backend.submit(req, "r1", print)
@@ -506,13 +508,13 @@ def test_rank_group_backend_launches_warms_up_forwards_and_restarts(monkeypatch)
         while backend.restarts == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert backend.restarts == 1 and len(FakeGroup.launched) == 2 and first.shut_down
-        second = FakeGroup.launched[1][3]
+        second = FakeGroup.launched[1][2]
         assert backend.group is second and second.submitted[0][2] == "warmup"
         backend.cancel("r2")
         assert second.cancelled == ["r2"] and any("rank 1 died" in m for m in logs)
     finally:
         backend.close()
-    assert FakeGroup.launched[-1][3].shut_down and not backend._watchdog.is_alive()
+    assert FakeGroup.launched[-1][2].shut_down and not backend._watchdog.is_alive()
 
 
 # ---- Triton I/O declaration -----------------------------------------------------------------

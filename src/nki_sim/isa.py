@@ -17,7 +17,6 @@ from . import _runtime as R
 from ._errors import NkiValidationError, SimError  # noqa: F401  (re-exported like the real package)
 from ._tensor import PMAX, IndirectAP, SimTensor, psum, sbuf
 
-
 class engine(enum.Enum):
     tensor = "tensor"
     vector = "vector"

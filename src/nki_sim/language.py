@@ -6,8 +6,8 @@ import numpy as np
 from . import _dtypes as D
 from . import _runtime as R
 from ._errors import SimError
-from ._ops import *  # noqa: F401,F403  (nl.add, nl.exp, ...)
 from ._ops import ALL as _ALL_OPS
+from ._ops import *  # noqa: F401,F403  (nl.add, nl.exp, ...)
 from ._tensor import DynSlice, SimTensor, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 
 bool_, int8, int16, int32 = D.bool_, D.int8, D.int16, D.int32

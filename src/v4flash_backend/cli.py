@@ -39,9 +39,9 @@ def cmd_generate(args) -> int:
     if args.world_size is not None or args.address:
         from v4flash_backend.group import rank_group
 
-        return rank_group.cli_generate(args)
+        return rank_group.generate_via_group(args)
     from v4flash_backend import ops
-    from v4flash_backend.engine.single import generate
+    from v4flash_backend.engine.single import generate_single
     from v4flash_backend.model.loading import load_model
 
     ops.set_backend(args.ops)
@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
         print("error: give --prompt-ids or --prompt", file=sys.stderr)
         return 2
     try:
-        g = generate(model, prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+        g = generate_single(model, prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                      ignore_eos=args.ignore_eos)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@
 Thin Triton hooks only (vllm_backend's shape). The logic lives in
 v4flash_backend.serving: settings (parameters, checkpoint lookup), request (parsing and
 validation), response (output tensors), service (submission, the response-sending
-thread, cancellation, FINAL always sent), backend (the rank group or an in-process
+thread, cancellation, FINAL always sent), engine_client / rank_group_client (the rank group or an in-process
 engine), metrics.
 
 Finding the package: as in preprocessing/1/model.py, the repository's src/ (three

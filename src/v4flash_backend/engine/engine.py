@@ -13,38 +13,19 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
+
+from v4flash_backend.request import GenerateRequest, RequestError
+from v4flash_backend.settings import Settings
 
 from . import dspark_accept as acc
 from .dspark_sched import SPSTable, admit, admit_fixed
 from .sampling import SamplingParams, TorchSampler, make_generator
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; `code` maps to the Triton status (INVALID_ARG / UNAVAILABLE)."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARG"):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 8
-    max_model_len: int = 1024
-    prefill_chunk: int = 256  # tokens of one prompt per step (segmented prefill)
-    step_token_budget: int = 1024  # prefill tokens per step across requests
-    spec_mode: str = "dspark"  # dspark (confidence + admit) | fixed (admit up to fixed_len) | off
-    fixed_len: int = 5
-    sps_path: str | None = None  # load the SPS table from here if present, else profile and save
-    queue_timeout_s: float = 120.0  # a request waiting longer than this for a slot is failed
 
 
 @dataclass
@@ -73,23 +54,8 @@ class Event:
 
 
 @dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    callback: Callable[[Event], None] | None = None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    arrival: float = field(default_factory=time.monotonic)
-
-
-@dataclass
 class _Seq:
-    req: Request
+    req: GenerateRequest
     slot: int
     tokens: list[int]  # prompt + committed output
     n_cached: int = 0  # leading tokens whose rows are in the cache
@@ -102,6 +68,7 @@ class _Seq:
     draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
+    finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
 
     @property
     def prefilling(self) -> bool:
@@ -109,17 +76,15 @@ class _Seq:
 
 
 class Engine:
-    def __init__(self, runner, config: EngineConfig | None = None):
+    def __init__(self, runner, config: Settings | None = None):
         self.runner = runner
-        self.cfg = config or EngineConfig()
+        self.cfg = config or Settings()
         self.mcfg = runner.cfg
-        if self.cfg.spec_mode not in ("dspark", "fixed", "off"):
-            raise ValueError(f"spec_mode must be dspark, fixed or off, got {self.cfg.spec_mode!r}")
         if self.cfg.spec_mode != "off" and runner.drafter is None:
-            self.cfg.spec_mode = "off"  # a checkpoint without DSpark stages
+            self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
         self.free = list(range(self.cfg.max_num_seqs))
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[GenerateRequest] = deque()
         self.running: list[_Seq] = []
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
@@ -136,7 +101,7 @@ class Engine:
         return self.cfg.spec_mode != "off"
 
     # ---- public API (thread-safe) -----------------------------------------------------------
-    def validate(self, r: Request) -> None:
+    def validate(self, r: GenerateRequest) -> None:
         V = self.mcfg.vocab_size
         if not r.prompt:
             raise RequestError("empty prompt: give at least one token")
@@ -158,7 +123,7 @@ class Engine:
         if bad:
             raise RequestError(f"stop token id {bad[0]} outside the vocabulary [0, {V})")
 
-    def submit(self, r: Request) -> str:
+    def submit(self, r: GenerateRequest) -> str:
         self.validate(r)
         with self.lock:
             self.waiting.append(r)
@@ -192,7 +157,7 @@ class Engine:
                     continue
             self.step()
 
-    def generate(self, r: Request) -> list[Event]:
+    def run_request(self, r: GenerateRequest) -> list[Event]:
         """Run one request to completion in this thread (CLI, tests)."""
         events: list[Event] = []
         cb = r.callback
@@ -354,7 +319,10 @@ class Engine:
                 self._commit(s, res.tokens[i, :1].tolist(), bool(res.stopped[i]))
                 if not self._done(s):
                     draft_seqs.append(s)
-        self.running = [s for s in self.running if not self._done(s) or self._release(s)]
+        finished = [s for s in self.running if self._done(s)]
+        for s in finished:
+            self._release(s)
+        self.running = [s for s in self.running if not self._done(s)]
         if self.spec:
             self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs)
 
@@ -414,15 +382,15 @@ class Engine:
                                 num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted,
                                 accepted=s.accepted, verify_steps=s.verify_steps))
 
-    def _done(self, s: _Seq) -> bool:
-        return getattr(s, "finish", None) is not None
+    @staticmethod
+    def _done(s: _Seq) -> bool:
+        return s.finish is not None
 
-    def _release(self, s: _Seq) -> bool:
+    def _release(self, s: _Seq) -> None:
         with self.lock:
             self.free.append(s.slot)
             self.free.sort()
         self.totals["finished"] += 1
-        return False
 
     def _finish(self, s: _Seq, reason: str | None = None, error: str | None = None, code: str | None = None) -> None:
         """End a running request from outside the normal flow (cancel, failure) and free its slot."""
@@ -435,7 +403,7 @@ class Engine:
                                 drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
                                 verify_steps=s.verify_steps))
 
-    def _emit(self, r: Request, e: Event) -> None:
+    def _emit(self, r: GenerateRequest, e: Event) -> None:
         if r.callback is not None:
             try:
                 r.callback(e)

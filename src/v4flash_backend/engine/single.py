@@ -1,4 +1,4 @@
-"""Single-process generation: prefill, then decode with caches, greedy or sampled."""
+"""One sequence without the engine: prefill, then decode with caches, greedy or sampled (the\nreference decode loop; `python -m v4flash_backend generate` uses it when no rank group is asked for)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Generation:
     decode_s: float
 
 
-def generate(model: V41Model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+def generate_single(model: V41Model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop_ids: tuple[int, ...] | None = None,
              ignore_eos: bool = False, max_len: int | None = None) -> Generation:
     cfg = model.cfg

@@ -32,14 +32,17 @@ import threading
 import time
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+from v4flash_backend.request import RequestError
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/src/v4flash_backend (or site-packages/...)
 REPO_DIR = PACKAGE_DIR.parents[1]  # <repo>/src/v4flash_backend -> <repo>
 
 
-class RankGroupError(RuntimeError):
+class RankGroupError(RequestError):
+    """The rank group cannot serve (not started, dead, unreachable): a RequestError, UNAVAILABLE."""
+
     def __init__(self, message: str, code: str = "UNAVAILABLE"):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
 
 
 def project_python(explicit: str | None = None) -> str:
@@ -146,20 +149,19 @@ class RankGroup:
 
     # ---- starting ---------------------------------------------------------------------------------
     @classmethod
-    def launch(cls, checkpoint: str, world_size: int = 1, python: str | None = None, max_num_seqs: int = 8,
-               max_model_len: int = 1024, worker_args: list[str] | tuple = (), env: dict | None = None,
-               start_timeout_s: float = 600.0, log_path: str | None = None, nproc_per_node: int | None = None,
-               ) -> "RankGroup":
-        """Start a single-node group of `world_size` ranks and connect to it."""
+    def launch(cls, settings, python: str | None = None, env: dict | None = None, log_path: str | None = None,
+               nproc_per_node: int | None = None) -> "RankGroup":
+        """Start a single-node group of `settings.world_size` ranks and connect to it. The workers get
+        the settings as one JSON object (`Settings.to_json`); rank 0 listens on loopback."""
         py = project_python(python)
         workdir = tempfile.mkdtemp(prefix="v4flash-group-")
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
-        cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node or world_size),
+        start_timeout_s = settings.startup_timeout_s
+        cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node or settings.world_size),
                "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker",
-               "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), *map(str, worker_args)]
+               "--settings-json", settings.to_json(), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file]
         e = dict(os.environ)
         if PACKAGE_DIR.parent.name not in ("site-packages", "dist-packages"):
             # a source checkout (<repo>/src): make the workers import this copy. An installed package
@@ -173,9 +175,7 @@ class RankGroup:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
                                 start_new_session=True)
         log.close()
-        launch_args = dict(checkpoint=checkpoint, world_size=world_size, python=python, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, worker_args=list(worker_args), env=env,
-                           start_timeout_s=start_timeout_s, nproc_per_node=nproc_per_node)
+        launch_args = dict(settings=settings, python=python, env=env, nproc_per_node=nproc_per_node)
         deadline = time.monotonic() + start_timeout_s
         while not os.path.exists(port_file):
             if proc.poll() is not None:
@@ -426,8 +426,8 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
 
 
-def cli_generate(args) -> int:
-    """`generate` through a rank group; prints like the in-process command."""
+def generate_via_group(args) -> int:
+    """The `generate` subcommand through a rank group; prints like the in-process command."""
     prompt = list(args.prompt_ids or [])
     tok = None
     if getattr(args, "prompt", None) is not None:
@@ -445,14 +445,16 @@ def cli_generate(args) -> int:
               "top_p": args.top_p, "ignore_eos": bool(args.ignore_eos)}
     if args.seed is not None:
         params["seed"] = args.seed
-    worker_args = ["--ops", getattr(args, "ops", "torch")]
     t0 = time.perf_counter()
     if args.address:
         group = RankGroup.connect(args.address)
     else:
-        group = RankGroup.launch(args.checkpoint, args.world_size or 1, python=args.python,
-                                 max_num_seqs=1, max_model_len=len(prompt) + args.max_tokens + 8,
-                                 worker_args=worker_args)
+        from v4flash_backend.settings import Settings
+
+        settings = Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
+                            ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
+                            max_model_len=len(prompt) + args.max_tokens + 8)
+        group = RankGroup.launch(settings, python=args.python)
     t1 = time.perf_counter()
     try:
         st = group.submit(prompt, params)

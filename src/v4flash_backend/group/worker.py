@@ -229,39 +229,6 @@ def follow(local, coll, plan_size: int = 2048) -> int:
 
 
 # ---- rank 0: the socket server ----------------------------------------------------------------------
-_PARAMS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": "seed",
-           "stop_token_ids": "ids", "ignore_eos": bool}
-
-
-def parse_params(p) -> dict:
-    """Validate the `params` object of a submit message into engine.Request keyword arguments."""
-    if p is None:
-        return {}
-    if not isinstance(p, dict):
-        raise ValueError("params must be an object")
-    out = {}
-    for k, v in p.items():
-        kind = _PARAMS.get(k)
-        if kind is None:
-            raise ValueError(f"unknown sampling parameter {k!r} (known: {', '.join(_PARAMS)})")
-        if kind is bool:
-            ok = isinstance(v, bool)
-        elif kind is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        elif kind is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            v = float(v) if ok else v
-        elif kind == "seed":
-            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
-        else:
-            ok = isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-            v = tuple(v) if ok else v
-        if not ok:
-            raise ValueError(f"sampling parameter {k!r} has the wrong type ({type(v).__name__})")
-        out[k] = v
-    return out
-
-
 class _Conn:
     def __init__(self, sock: socket.socket, num: int):
         self.sock, self.num = sock, num
@@ -365,23 +332,20 @@ class Server:
             c.send({"event": "error", "code": "INVALID_ARG", "tag": tag, "message": f"unknown op {op!r}"})
 
     def _submit(self, c: _Conn, msg: dict) -> None:
-        from v4flash_backend.engine.engine import Request, RequestError
+        from v4flash_backend.request import GenerateRequest, RequestError
 
         cid = msg.get("id")
         key = str(cid)
         try:
             if cid is None or isinstance(cid, (dict, list)):
                 raise ValueError("submit needs an id (string or number)")
-            prompt = msg.get("prompt_ids")
-            if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt_ids must be a list of integers")
-            params = parse_params(msg.get("params"))
+            eid = f"{c.num}:{key}"
+            req = GenerateRequest.from_wire(msg.get("prompt_ids"), msg.get("params"), id=eid,
+                                            callback=lambda ev: self._event(c, cid, ev))
             with c.lock:
                 if key in c.inflight:
                     raise ValueError(f"request id {cid!r} is already in flight on this connection")
-                eid = f"{c.num}:{key}"
                 c.inflight[key] = (eid, cid)
-            req = Request(prompt=prompt, id=eid, callback=lambda ev: self._event(c, cid, ev), **params)
         except (ValueError, TypeError) as e:
             c.send({"id": cid, "event": "error", "code": "INVALID_ARG", "message": str(e)})
             return
@@ -467,61 +431,65 @@ def _log(rank: int, msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from v4flash_backend.settings import Settings
+
     ap = argparse.ArgumentParser(prog="python -m v4flash_backend.group.worker",
                                  description="one rank of the v4flash rank group (start it with torchrun)")
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--settings-json", help="all settings as one JSON object (what RankGroup.launch passes); "
+                                            "flags given beside it win")
     ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default)")
     ap.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     ap.add_argument("--port-file", help="rank 0 writes {host, port, pids, ...} here once every rank is ready")
-    ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--step-token-budget", type=int, default=1024)
-    ap.add_argument("--spec-mode", default="dspark", choices=["dspark", "fixed", "off"])
-    ap.add_argument("--sps-path", default=None)
-    ap.add_argument("--ops", default=os.environ.get("V4FLASH_OPS", "torch"), choices=["torch", "nki-sim", "nki"])
-    ap.add_argument("--numerics", default=os.environ.get("V4FLASH_NUMERICS", "exact"), choices=["exact", "reference"])
-    ap.add_argument("--backend", default=None, help="torch.distributed backend (default gloo; neuron on trn2)")
-    ap.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
-    ap.add_argument("--heartbeat-s", type=float, default=2.0, help="idle plan interval (well under the timeout)")
-    ap.add_argument("--plan-size", type=int, default=2048, help="initial int64 slots of a step plan")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("V4FLASH_THREADS", "1")))
+    Settings.add_arguments(ap, scopes=("group", "engine"), extra=("checkpoint_dir",))
     return ap
 
 
-def main(argv=None) -> int:
-    ap = build_parser()
+def parse_settings(ap: argparse.ArgumentParser, argv=None):
+    """(launch arguments, Settings) of a worker command line; errors exit through `ap.error`."""
+    from v4flash_backend.settings import Settings
+
     args = ap.parse_args(argv)
-    if not 0 < args.heartbeat_s < args.timeout_s / 2:
-        ap.error("--heartbeat-s must be positive and below half of --timeout-s (idle followers wait for it)")
+    try:
+        base = Settings.from_json(args.settings_json) if args.settings_json else None
+        settings = Settings.from_args(args, base)
+    except ValueError as e:
+        ap.error(str(e))
+    if not settings.checkpoint_dir:
+        ap.error("give --checkpoint (or checkpoint_dir in --settings-json)")
+    return args, settings
+
+
+def main(argv=None) -> int:
+    args, settings = parse_settings(build_parser(), argv)
     _die_with_parent()
     from v4flash_backend import ops
     from v4flash_backend.engine.runner import LocalRunner
     from v4flash_backend.parallel.collectives import init_distributed
     from v4flash_backend.parallel.comm import load_sharded_model
 
-    torch.set_num_threads(args.threads)
-    ops.set_backend(args.ops)
-    ops.set_numerics(args.numerics)
-    lay, coll = init_distributed(args.backend, args.timeout_s)
+    torch.set_num_threads(settings.threads)
+    ops.set_backend(settings.ops_backend)
+    if settings.numerics:
+        ops.set_numerics(settings.numerics)
+    lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s)
     rank = lay.rank
     t0 = time.monotonic()
     if lay.world > 1:
-        model = load_sharded_model(args.checkpoint, lay, coll)
+        model = load_sharded_model(settings.checkpoint_dir, lay, coll)
     else:
         from v4flash_backend.model.loading import load_model
 
-        model = load_model(args.checkpoint)
-    local = LocalRunner(model, args.max_num_seqs + 1, args.max_model_len)  # +1: the SPS scratch slot
+        model = load_model(settings.checkpoint_dir)
+    local = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)  # +1: the SPS scratch slot
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
     pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
     if rank != 0:
-        follow(local, coll, args.plan_size)
+        follow(local, coll, settings.plan_size)
         _log(rank, "stop")
         code = 0
     else:
-        code = _serve_rank0(args, lay, coll, local, pids)
+        code = _serve_rank0(args, settings, lay, coll, local, pids)
     if lay.world > 1 and code == 0:
         import torch.distributed as dist
 
@@ -529,22 +497,20 @@ def main(argv=None) -> int:
     return code
 
 
-def _serve_rank0(args, lay, coll, local, pids) -> int:
-    from v4flash_backend.engine.engine import Engine, EngineConfig
+def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
+    from v4flash_backend.engine.engine import Engine
 
     stop = threading.Event()
     info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+            "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len}
 
     def on_sigterm(*_):  # torchrun stopping the group (e.g. after another rank died)
         info.setdefault("error", "rank group terminated (SIGTERM)")
         stop.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    plan = PlanRunner(local, coll, args.plan_size, args.heartbeat_s)
-    engine = Engine(plan, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                       prefill_chunk=args.prefill_chunk, step_token_budget=args.step_token_budget,
-                                       spec_mode=args.spec_mode, sps_path=args.sps_path))
+    plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s)
+    engine = Engine(plan, settings)
 
     def extra():
         return {"collectives_total": coll.as_json(dict(coll.total)),

@@ -5,17 +5,8 @@ present, else the `nki_sim` CPU simulator installed under the same module names.
 `KERNELS` maps every function of the `ops` API to the kernel(s) implementing it.
 """
 
-from . import (
-    _nki,  # noqa: F401  (first: installs the simulator when needed
-    engram,
-    hc,
-    indexer,
-    linear,
-    rms_norm,
-    softmax_pool,
-    sparse_attn,
-    swiglu,
-)
+from . import _nki  # noqa: F401  (first: installs the simulator when needed)
+from . import engram, hc, indexer, linear, rms_norm, softmax_pool, sparse_attn, swiglu
 
 KERNELS = {
     "linear_fp8": (linear.linear_fp8_kernel,),

@@ -1,9 +1,8 @@
 """Small helpers shared by the kernels (plain Python evaluated at trace time; they only emit nki calls)."""
 
+from . import _nki  # noqa: F401  (must precede the nki imports: installs the simulator if needed)
 import nki.isa as nisa
 import nki.language as nl
-
-from . import _nki  # noqa: F401  (must precede the nki imports: installs the simulator if needed
 
 P = 128  # partitions (nl.tile_size.pmax)
 PSUM_N = 512  # fp32 columns of one PSUM bank = the matmul moving free size limit

@@ -5,11 +5,11 @@ dot = sum_d(h * qk_weight * key) * rsqrt(mean h^2 + eps) * rsqrt(mean key^2 + ep
 gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6)));  out = h + gate * value  (fp32, one rounding)
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import P, load_bcast, row_tiles
 from .rms_norm import rstd
 

@@ -4,11 +4,11 @@ Tokens on the partitions, the hc streams and channels on the free axis; every su
 the reference's order (stream 0 first), so collapse and post reproduce the fp32 reference exactly.
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import P, cdiv, load_bcast, row_tiles, transpose
 
 

@@ -7,11 +7,11 @@ the partitions: q and k rows are transposed), ReLU and the per-(token, head) wei
 sum over heads as a second matmul against a 0/1 selection matrix sel[(s, h), s'] = (s == s').
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import PSUM_N, P, cdiv, my_share, transpose
 
 

@@ -10,11 +10,11 @@ Layout: both operands need K on the partitions, so x row tiles and W row tiles a
 Tensor Engine. Work split: a grid of G programs splits N into G 32-aligned column ranges ("both cores").
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import PSUM_N, P, cdiv, transpose
 
 FP8_MAX = 448.0

@@ -1,11 +1,11 @@
 """RMSNorm: y = weight * (x * rsqrt(mean(x^2) + eps)) in fp32, rounded once to x.dtype (reference order:
 x * rstd first, then the weight)."""
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import P, load_bcast, row_tiles
 
 

@@ -4,11 +4,11 @@ Rows (the leading dims, flattened by the caller) on the partitions, [r, d] on th
 runs per channel over r through a permuted view.
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import P, row_tiles
 
 

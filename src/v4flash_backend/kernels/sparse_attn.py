@@ -15,11 +15,11 @@ The index width K must be a multiple of 128 (the caller pads with -1; padding do
 because a fully empty block leaves max, sum and accumulator untouched).
 """
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import PSUM_N, P, cdiv, my_share, transpose
 
 BLOCK = 64  # online-softmax block of the reference kernel

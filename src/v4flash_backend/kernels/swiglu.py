@@ -1,11 +1,11 @@
 """Clamped SwiGLU with an optional per-row routing weight: silu(min(gate, L)) * clamp(up, -L, L) (* w),
 fp32, rounded once to bf16. L = 0 disables the clamps."""
 
+from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from . import _nki  # noqa: F401
 from ._common import P, row_tiles
 
 

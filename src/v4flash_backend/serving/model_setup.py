@@ -11,12 +11,14 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
-from .backend import make_backend
+from v4flash_backend.settings import Settings
+
 from .detok import StreamDetokenizer
+from .engine_client import EngineClient, InProcessEngine
 from .metrics import ServingMetrics
 from .request import RequestParser
 from .service import GenerateService
-from .settings import ServingSettings
+from .settings import load_settings, tokenizer_path
 
 
 def load_tokenizer(path: Path, log: Callable[[str], None]) -> Tokenizer | None:
@@ -26,33 +28,45 @@ def load_tokenizer(path: Path, log: Callable[[str], None]) -> Tokenizer | None:
     return Tokenizer.from_file(str(path))
 
 
-def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash", model_version: str = "1",
-                  metric_api=None, log: Callable[[str], None] = print, backend=None) -> GenerateService:
-    """The model's `GenerateService` (backend launched, tokenizer loaded, metrics registered).
+def make_engine(settings: Settings, log: Callable[[str], None] = print) -> EngineClient:
+    """The engine client the settings ask for (launcher setting)."""
+    if settings.launcher == "inprocess":
+        return InProcessEngine(settings, log)
+    from .rank_group_client import RankGroupEngine
 
-    ``metric_api``: ``pb_utils`` (its MetricFamily) or None for no metrics. ``backend``:
-    an already built backend (tests); default: the one the parameters ask for.
+    return RankGroupEngine(settings, log)
+
+
+def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash", model_version: str = "1",
+                  metric_api=None, log: Callable[[str], None] = print,
+                  engine: EngineClient | None = None) -> GenerateService:
+    """The model's `GenerateService` (engine launched, tokenizer loaded, metrics registered).
+
+    ``metric_api``: ``pb_utils`` (its MetricFamily) or None for no metrics. ``engine``:
+    an already built engine client (tests); default: the one the settings ask for.
     """
-    settings = ServingSettings.from_model_config(model_config, model_dir)
-    log(f"[v4flash] checkpoint {settings.checkpoint_dir} ({settings.checkpoint_source}); "
+    settings, source, unknown = load_settings(model_config, model_dir)
+    log(f"[v4flash] checkpoint {settings.checkpoint_dir} ({source}); "
         f"world_size={settings.world_size} ops={settings.ops_backend} max_num_seqs={settings.max_num_seqs} "
-        f"max_model_len={settings.max_model_len} dspark={settings.dspark} launcher={settings.launcher}")
-    tokenizer = load_tokenizer(settings.tokenizer_path, log)
+        f"max_model_len={settings.max_model_len} spec_mode={settings.spec_mode} launcher={settings.launcher}")
+    if unknown:
+        log(f"[v4flash] ignoring unknown parameter(s): {', '.join(sorted(unknown))}")
+    tokenizer = load_tokenizer(tokenizer_path(settings), log)
     metrics = None
     if metric_api is not None:
         try:
             metrics = ServingMetrics(metric_api, model_name, model_version)
         except Exception as exc:  # server started with --allow-metrics=false
             log(f"[v4flash] metrics disabled: {exc}")
-    if backend is None:
-        backend = make_backend(settings, log)
+    if engine is None:
+        engine = make_engine(settings, log)
     tokenize = None
     if tokenizer is not None:
         add = settings.add_special_tokens
         tokenize = lambda text: tokenizer.encode(text, add_special_tokens=add).ids  # noqa: E731
-    parser = RequestParser(backend.vocab_size, settings.max_model_len, settings.default_max_tokens, tokenize)
+    parser = RequestParser(engine.vocab_size, settings.max_model_len, settings.default_max_tokens, tokenize)
     detok = StreamDetokenizer(tokenizer, settings.skip_special_tokens) if tokenizer is not None else None
-    service = GenerateService(backend, parser, detok, metrics, log, stats_interval_s=settings.stats_interval_s)
+    service = GenerateService(engine, parser, detok, metrics, log, stats_interval_s=settings.stats_interval_s)
     service.settings = settings
     if metrics is not None:
         metrics.set_slots(0, settings.max_num_seqs)

@@ -14,7 +14,7 @@ are read from there, other request parameters are not ours to judge).
 ``exclude_input_in_output`` follows vllm_backend (utils/request.py): absent, the prompt is
 echoed in non-streamed output only; false while streaming is an error.
 
-Every problem raises `ServingError` with code INVALID_ARG and a message that names the
+Every problem raises `RequestError` (v4flash_backend.request) with code INVALID_ARG and a message that names the
 input and the value; nothing here talks to the engine.
 """
 
@@ -22,51 +22,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from v4flash_backend.request import GenerateRequest, invalid
 
 # Keys accepted in sampling_parameters / request parameters, and the JSON type each takes.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
                  "min_tokens")
 _UINT64_MAX = 2**64 - 1
-
-
-class ServingError(Exception):
-    """A request failure with its Triton error code (INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL)."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARG"):
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-def invalid(message: str) -> ServingError:
-    return ServingError(message, "INVALID_ARG")
-
-
-@dataclass
-class GenerateRequest:
-    """A validated request, ready for the engine."""
-
-    prompt: list[int]
-    prompt_text: str | None = None  # set when the request came as text_input
-    stream: bool = False
-    echo: bool = False  # prepend the prompt to the (non-streamed) output
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def sampling(self) -> dict:
-        """The engine-facing fields (names of engine.Request)."""
-        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
-                    ignore_eos=self.ignore_eos)
 
 
 # ---- typed tensors ---------------------------------------------------------------------------

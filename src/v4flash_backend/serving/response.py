@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from v4flash_backend.request import GenerateRequest
+
 from .detok import CONTEXT_IDS, StreamDetokenizer
-from .request import GenerateRequest
 
 OUTPUT_NAMES = ("output_ids", "context_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
                 "num_drafted_tokens", "num_accepted_tokens")

@@ -1,7 +1,7 @@
 """The request loop of the `v4flash` Triton model, without pb_utils.
 
 Shape of vllm_backend's model.py: `handle()` runs in ``execute`` and only parses and
-submits; engine events are queued by the backend's thread and a dedicated sender thread
+submits; engine events are queued by the engine client's thread and a dedicated sender thread
 turns them into responses, sends them, watches for cancellation and updates metrics, so
 the engine never waits on the stub's IPC. Every request gets exactly one FINAL response:
 with its last data, or with an error (INVALID_ARG for a bad request, CANCELLED after a
@@ -21,13 +21,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from v4flash_backend.request import GenerateRequest, RequestError
+
 from .metrics import ServingMetrics
-from .request import GenerateRequest, RequestParser, ServingError
+from .request import RequestParser
 from .response import ResponseBuilder
 
 
 class ResponseSink(Protocol):
-    def send(self, outputs: dict | None, error: ServingError | None, final: bool) -> None: ...
+    def send(self, outputs: dict | None, error: RequestError | None, final: bool) -> None: ...
 
     def is_cancelled(self) -> bool: ...
 
@@ -47,17 +49,17 @@ class _Flight:
 
 
 class GenerateService:
-    """Parses requests, submits them to a backend and streams responses back."""
+    """Parses requests, submits them to an engine client and streams responses back."""
 
-    def __init__(self, backend, parser: RequestParser, detok=None, metrics: ServingMetrics | None = None,
+    def __init__(self, engine, parser: RequestParser, detok=None, metrics: ServingMetrics | None = None,
                  log: Callable[[str], None] = print, poll_s: float = 0.1, stats_interval_s: float = 0.5):
-        self.backend = backend
+        self.engine = engine
         self.parser = parser
         self.detok = detok
         self.metrics = metrics
         self.log = log
         self.poll_s = poll_s
-        self.settings = None  # the ServingSettings it was built from (model_setup), if any
+        self.settings = None  # the Settings it was built from (model_setup), if any
         self._events: queue.Queue = queue.Queue()
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
@@ -75,25 +77,25 @@ class GenerateService:
         """Validate and submit one request; returns its id, or None if it was answered already."""
         arrival = time.monotonic()
         if self._closing.is_set():
-            self._reject(sink, ServingError("the model is shutting down", "UNAVAILABLE"), arrival)
+            self._reject(sink, RequestError("the model is shutting down", "UNAVAILABLE"), arrival)
             return None
         try:
             req = self.parser.parse(inputs, parameters)
-        except ServingError as exc:
+        except RequestError as exc:
             self._reject(sink, exc, arrival)
             return None
         rid = uuid.uuid4().hex
         flight = _Flight(rid, req, sink, ResponseBuilder(req, self.detok), arrival)
         self._add(flight)
         try:
-            self.backend.submit(req, rid, lambda ev, rid=rid: self._events.put((rid, ev)))
-        except ServingError as exc:
+            self.engine.submit(req, rid, lambda ev, rid=rid: self._events.put((rid, ev)))
+        except RequestError as exc:
             self._drop(flight)
             self._reject(sink, exc, arrival)
             return None
-        except Exception as exc:  # the backend is down: not the client's fault
+        except Exception as exc:  # the engine is down: not the client's fault
             self._drop(flight)
-            self._reject(sink, ServingError(f"engine unavailable: {type(exc).__name__}: {exc}", "UNAVAILABLE"),
+            self._reject(sink, RequestError(f"engine unavailable: {type(exc).__name__}: {exc}", "UNAVAILABLE"),
                          arrival)
             return None
         return rid
@@ -104,7 +106,7 @@ class GenerateService:
 
     def close(self, drain_s: float = 5.0) -> None:
         """Cancel what is in flight, give the engine ``drain_s`` to confirm, fail the rest,
-        then close the backend and the metrics."""
+        then close the engine client and the metrics."""
         self._closing.set()
         self._stats_kick.set()
         with self._lock:
@@ -117,13 +119,13 @@ class GenerateService:
         with self._lock:
             left = list(self._flights.values())
         for f in left:
-            self._finish(f, "error", ServingError("the model is shutting down", "UNAVAILABLE"))
+            self._finish(f, "error", RequestError("the model is shutting down", "UNAVAILABLE"))
         self._events.put(None)
         self._sender.join(timeout=10)
         if self._stats.is_alive():
             self._stats.join(timeout=10)
         try:
-            self.backend.close()
+            self.engine.close()
         finally:
             if self.metrics is not None:
                 self.metrics.close()
@@ -144,7 +146,7 @@ class GenerateService:
             self.metrics.set_in_flight(n)
         return gone
 
-    def _reject(self, sink: ResponseSink, exc: ServingError, arrival: float) -> None:
+    def _reject(self, sink: ResponseSink, exc: RequestError, arrival: float) -> None:
         self._safe_send(sink, None, exc, True)
         if self.metrics:
             self.metrics.on_finished("error", time.monotonic() - arrival)
@@ -157,7 +159,7 @@ class GenerateService:
             self.log(f"[v4flash] sending a response failed: {type(exc).__name__}: {exc}")
             return False
 
-    def _finish(self, f: _Flight, reason: str, error: ServingError | None = None, outputs=None) -> None:
+    def _finish(self, f: _Flight, reason: str, error: RequestError | None = None, outputs=None) -> None:
         """The one FINAL response of a request, then forget it."""
         if not self._drop(f):
             return  # already finished (shutdown raced the engine's final event)
@@ -171,7 +173,7 @@ class GenerateService:
             return
         f.cancel_requested = True
         try:
-            self.backend.cancel(f.id)
+            self.engine.cancel(f.id)
         except Exception as exc:
             self.log(f"[v4flash] cancel of {f.id} failed: {type(exc).__name__}: {exc}")
 
@@ -195,7 +197,7 @@ class GenerateService:
                     except Exception as exc:  # a bug here must not stop every other stream
                         self.log(f"[v4flash] internal error on request {rid}: {type(exc).__name__}: {exc}")
                         self._request_cancel(f)
-                        self._finish(f, "error", ServingError(f"internal error: {exc}", "INTERNAL"))
+                        self._finish(f, "error", RequestError(f"internal error: {exc}", "INTERNAL"))
             if time.monotonic() - last_poll >= self.poll_s:
                 last_poll = time.monotonic()
                 self._poll_cancellations()
@@ -213,12 +215,12 @@ class GenerateService:
 
     def _deliver(self, f: _Flight, ev: dict) -> None:
         if ev.get("event") == "error":
-            self._finish(f, "error", ServingError(str(ev.get("message", "engine error")),
+            self._finish(f, "error", RequestError(str(ev.get("message", "engine error")),
                                                   str(ev.get("code") or "INTERNAL")))
             return
         reason = ev.get("finish_reason") or ""
         if reason == "cancelled":
-            self._finish(f, "cancelled", ServingError("request was cancelled", "CANCELLED"))
+            self._finish(f, "cancelled", RequestError("request was cancelled", "CANCELLED"))
             return
         now = time.monotonic()
         n = len(ev.get("token_ids") or ())
@@ -257,7 +259,7 @@ class GenerateService:
             if self._closing.is_set():
                 return
             try:
-                st = self.backend.stats()
+                st = self.engine.stats()
                 self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
                 failed = False
             except Exception as exc:

@@ -1,4 +1,4 @@
-"""The serving backend over a torchrun rank group (`v4flash_backend.group.rank_group.RankGroup`).
+"""The serving engine client over a torchrun rank group (`v4flash_backend.group.rank_group.RankGroup`).
 
 Launches the group (or connects to one started elsewhere, parameter rank_group_address),
 forwards requests and cancellations, and brings a failed group back: when the group dies,
@@ -14,27 +14,17 @@ import time
 from typing import Callable
 
 from v4flash_backend.group.rank_group import RankGroup, RankGroupError
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
 
-from .backend import EventCallback, checkpoint_vocab_size
-from .request import GenerateRequest
-from .settings import ServingSettings
+from .engine_client import EventCallback, checkpoint_vocab_size
 
 # Warm-up prompt: BOS plus a few ids every vocabulary has; only its timing matters.
 _WARMUP_PROMPT = [0, 3, 4, 5]
 
 
-def worker_args(s: ServingSettings) -> list[str]:
-    """The `v4flash_backend.group.worker` options the settings imply (beyond checkpoint and sizes)."""
-    args = ["--ops", s.ops_backend, "--prefill-chunk", str(s.prefill_chunk), "--spec-mode", s.spec_mode]
-    if s.numerics:
-        args += ["--numerics", s.numerics]
-    if s.sps_path:
-        args += ["--sps-path", s.sps_path]
-    return args
-
-
-class RankGroupBackend:
-    def __init__(self, settings: ServingSettings, log: Callable[[str], None] = print,
+class RankGroupEngine:
+    def __init__(self, settings: Settings, log: Callable[[str], None] = print,
                  watchdog_interval_s: float = 1.0):
         self.settings = settings
         self.log = log
@@ -56,9 +46,7 @@ class RankGroupBackend:
             group = RankGroup.connect(s.rank_group_address, timeout_s=s.startup_timeout_s)
             self.log(f"[v4flash] connected to the rank group at {s.rank_group_address}: {group.info}")
         else:
-            group = RankGroup.launch(str(s.checkpoint_dir), s.world_size, max_num_seqs=s.max_num_seqs,
-                                     max_model_len=s.max_model_len, worker_args=worker_args(s),
-                                     start_timeout_s=s.startup_timeout_s)
+            group = RankGroup.launch(s)
             self.log(f"[v4flash] rank group of {s.world_size} rank(s) up in {time.monotonic() - t0:.1f} s "
                      f"(pids {group.pids}; log {group.log_path})")
         self._warm_up(group)

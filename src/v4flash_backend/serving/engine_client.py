@@ -1,7 +1,7 @@
 """What the Triton model talks to: an engine behind a small, uniform interface.
 
     submit(req, request_id, on_event)   queue a validated GenerateRequest; on_event(dict) is
-                                        called from the backend's own thread for every event
+                                        called from the client's own thread for every event
                                         (see response.py for the event dicts), exactly one
                                         of them final (finish_reason set, or an error event)
     cancel(request_id)                  ask the engine to stop it (a final "cancelled" follows)
@@ -9,25 +9,41 @@
     close()
     vocab_size, max_model_len           the limits RequestParser checks against
 
-`RankGroupBackend` is the serving path: a torchrun rank group (`rank_group.RankGroupClient`),
-rank 0 running the Engine. `InProcessBackend` runs the Engine on a thread of the calling
-process (one rank, no subprocess): the launcher=inprocess parameter, and the unit tests.
+`rank_group_client.RankGroupEngine` is the serving path: a torchrun rank group
+(`group.rank_group.RankGroup`), rank 0 running the Engine. `InProcessEngine` here runs the
+Engine on a thread of the calling process (one rank, no subprocess): the launcher=inprocess
+setting, and the unit tests. `model_setup.make_engine` picks one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Protocol
 
-from .request import GenerateRequest, ServingError
-from .settings import ServingSettings
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
 
 EventCallback = Callable[[dict], None]
 
 
+class EngineClient(Protocol):
+    vocab_size: int
+    max_model_len: int
+
+    def submit(self, req: GenerateRequest, request_id: str, on_event: EventCallback) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
 def event_dict(ev) -> dict:
-    """An engine.Event as a protocol event dict."""
+    """An engine.Event as a protocol event dict (the same shape rank 0 sends over its socket)."""
     if ev.error is not None:
         return {"event": "error", "code": ev.error_code or "INTERNAL", "message": ev.error}
     return {"event": "chunk", "token_ids": list(ev.token_ids), "context_ids": list(ev.context_ids),
@@ -39,15 +55,15 @@ def checkpoint_vocab_size(checkpoint_dir) -> int:
     """vocab_size of a checkpoint, from its config.json (no weights loaded)."""
     from v4flash_backend.config import ModelConfig
 
-    return ModelConfig.from_json(checkpoint_dir / "config.json").vocab_size
+    return ModelConfig.from_json(Path(checkpoint_dir) / "config.json").vocab_size
 
 
-class InProcessBackend:
+class InProcessEngine:
     """The Engine on a daemon thread of this process (W = 1)."""
 
-    def __init__(self, settings: ServingSettings, log: Callable[[str], None] = print):
+    def __init__(self, settings: Settings, log: Callable[[str], None] = print):
         from v4flash_backend import ops
-        from v4flash_backend.engine.engine import Engine, EngineConfig
+        from v4flash_backend.engine.engine import Engine
         from v4flash_backend.engine.runner import LocalRunner
         from v4flash_backend.model.loading import load_model
 
@@ -60,10 +76,7 @@ class InProcessBackend:
         self.max_model_len = settings.max_model_len
         # One slot more than max_num_seqs: the engine profiles its steps/s table on the last.
         runner = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)
-        self.engine = Engine(runner, EngineConfig(
-            max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
-            prefill_chunk=settings.prefill_chunk, spec_mode=settings.spec_mode,
-            sps_path=settings.sps_path or None))
+        self.engine = Engine(runner, settings)
         if self.engine.spec:
             self.engine.ensure_sps()  # at load time, not in the first request's latency
         self._stop = threading.Event()
@@ -79,14 +92,8 @@ class InProcessBackend:
                 time.sleep(0.05)
 
     def submit(self, req: GenerateRequest, request_id: str, on_event: EventCallback) -> None:
-        from v4flash_backend.engine.engine import Request, RequestError
-
-        r = Request(prompt=list(req.prompt), id=request_id, callback=lambda ev: on_event(event_dict(ev)),
-                    **dict(req.sampling(), stop_token_ids=tuple(req.stop_token_ids)))
-        try:
-            self.engine.submit(r)
-        except RequestError as exc:
-            raise ServingError(str(exc), exc.code) from None
+        # A copy: the caller keeps its request (the response builder reads it) unchanged.
+        self.engine.submit(dataclasses.replace(req, id=request_id, callback=lambda ev: on_event(event_dict(ev))))
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
@@ -97,12 +104,3 @@ class InProcessBackend:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-
-
-def make_backend(settings: ServingSettings, log: Callable[[str], None] = print):
-    """The backend the settings ask for (launcher parameter)."""
-    if settings.launcher == "inprocess":
-        return InProcessBackend(settings, log)
-    from .rank_group_backend import RankGroupBackend
-
-    return RankGroupBackend(settings, log)

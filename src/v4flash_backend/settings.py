@@ -1,0 +1,251 @@
+"""The one settings schema: every serving, rank-group and engine setting is declared here once,
+with its default, its validation and its doc line.
+
+Everything else is derived from `Settings`:
+- config.pbtxt: `Settings.from_params` parses the model's string parameters (every setting is a
+  parameter under its own name; `dspark` is kept as the on/off alias of `spec_mode`);
+- the worker and CLI flags: `add_arguments` generates `--max-num-seqs`-style flags (plus the
+  short legacy spellings listed in `flags`), `from_args` reads them back;
+- the rank-group launch: rank 0 and its followers receive the settings as one JSON object
+  (`to_json` / `from_json`, the way vllm_backend hands its engine args over);
+- the README's parameter table (`markdown_table`; tests/test_settings.py compares the two).
+
+Adding a setting = adding one field below (see the README's contributor notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any
+
+OPS_BACKENDS = ("torch", "nki", "nki-sim")
+LAUNCHERS = ("torchrun", "inprocess")
+SPEC_MODES = ("dspark", "fixed", "off")
+NUMERICS = ("", "exact", "reference")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def setting(default, doc: str, *, scope: str, choices: tuple | None = None, low: float | None = None,
+            positive: bool = False, path: bool = False, flags: tuple[str, ...] = ()):
+    """A field of `Settings`. scope: who reads it (serving = the Triton model, group = every rank
+    of the rank group, engine = rank 0's engine). path: a filesystem path (relative values start
+    at the model repository root when read from config.pbtxt). flags: extra CLI spellings."""
+    return field(default=default, metadata=dict(doc=doc, scope=scope, choices=choices, low=low,
+                                                 positive=positive, path=path, flags=flags))
+
+
+@dataclass(frozen=True)
+class Settings:
+    # ---- serving: the Triton model -------------------------------------------------------------
+    checkpoint_dir: str = setting(
+        "", "checkpoint directory in the official layout; empty: $V4FLASH_CHECKPOINT_DIR, else the "
+        "embedded default models/v4flash-tiny", scope="serving", path=True, flags=("--checkpoint",))
+    launcher: str = setting(
+        "torchrun", "torchrun: the rank group as a child process group; inprocess: the engine on a "
+        "thread of the Triton stub (world_size 1)", scope="serving", choices=LAUNCHERS)
+    rank_group_address: str = setting(
+        "", "host:port of an externally started rank group (multi-node); empty: launch one", scope="serving")
+    startup_timeout_s: float = setting(
+        900.0, "seconds the rank group may take to load and report ready", scope="serving", positive=True)
+    default_max_tokens: int = setting(64, "max_tokens of a request that gives none", scope="serving", low=1)
+    tokenizer_dir: str = setting(
+        "", "tokenizer.json (or its directory) for text_input; empty: the checkpoint's", scope="serving",
+        path=True)
+    add_special_tokens: bool = setting(True, "tokenize text_input with BOS", scope="serving")
+    skip_special_tokens: bool = setting(True, "leave special tokens out of text_output", scope="serving")
+    stats_interval_s: float = setting(
+        0.5, "seconds between refreshes of the KV-slot gauge", scope="serving", positive=True)
+    # ---- group: every rank ---------------------------------------------------------------------
+    world_size: int = setting(1, "ranks of the torchrun group (64 on trn2.48xlarge at LNC=2)", scope="group", low=1)
+    ops_backend: str = setting(
+        "torch", "op backend: torch (CPU reference), nki (Neuron devices), nki-sim (NKI kernels on the "
+        "CPU simulator)", scope="group", choices=OPS_BACKENDS, flags=("--ops",))
+    numerics: str = setting(
+        "", "exact (fp64 accumulation: W- and batch-invariant) or reference; empty: $V4FLASH_NUMERICS, "
+        "else exact", scope="group", choices=NUMERICS)
+    dist_backend: str = setting(
+        "", "torch.distributed backend; empty: $V4FLASH_DIST_BACKEND, else gloo (neuron on trn2)",
+        scope="group", flags=("--backend",))
+    collective_timeout_s: float = setting(
+        60.0, "a collective waiting longer than this ends the rank (a dead or hung peer)", scope="group",
+        positive=True, flags=("--timeout-s",))
+    heartbeat_s: float = setting(
+        2.0, "idle plan interval of rank 0 (below half the collective timeout)", scope="group", positive=True)
+    plan_size: int = setting(2048, "initial int64 slots of a step plan (grows on demand)", scope="group", low=16)
+    threads: int = setting(1, "torch threads per rank", scope="group", low=1)
+    # ---- engine: rank 0 ------------------------------------------------------------------------
+    max_num_seqs: int = setting(8, "KV slots: requests decoded together", scope="engine", low=1)
+    max_model_len: int = setting(1024, "prompt + generated tokens per request", scope="engine", low=2)
+    prefill_chunk: int = setting(256, "prompt tokens of one request per step (segmented prefill)",
+                                 scope="engine", low=1)
+    step_token_budget: int = setting(1024, "prefill tokens per step across requests", scope="engine", low=1)
+    spec_mode: str = setting(
+        "dspark", "dspark (confidence + admit), fixed (verify fixed_len drafts) or off; config.pbtxt's "
+        "dspark true/false is the same switch", scope="engine", choices=SPEC_MODES)
+    fixed_len: int = setting(5, "drafts verified per step in spec_mode fixed", scope="engine", low=1)
+    sps_path: str = setting(
+        "", "DSpark steps/s table: loaded if present, else profiled and saved; empty: profile at start",
+        scope="engine", path=True)
+    queue_timeout_s: float = setting(
+        120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
+        scope="engine", low=0.0)
+
+    def __post_init__(self):
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
+        if self.launcher == "inprocess" and self.world_size != 1:
+            raise ValueError("setting 'launcher' inprocess runs one rank: set world_size to 1")
+        if not self.heartbeat_s < self.collective_timeout_s / 2:
+            raise ValueError("setting 'heartbeat_s' must be below half of collective_timeout_s "
+                             "(idle followers wait for it)")
+
+    # ---- derived views --------------------------------------------------------------------------
+    @property
+    def dspark(self) -> bool:
+        return self.spec_mode != "off"
+
+    def replace(self, **changes) -> "Settings":
+        return replace(self, **changes)
+
+    # ---- config.pbtxt ---------------------------------------------------------------------------
+    @classmethod
+    def from_params(cls, params: dict[str, str], resolve_path=None) -> tuple["Settings", dict[str, str]]:
+        """Settings from config.pbtxt string parameters, and the parameters it does not know.
+        Empty values keep the default; `resolve_path(value) -> str` maps path settings."""
+        values: dict[str, Any] = {}
+        by_name = {f.name: f for f in fields(cls)}
+        unknown = {}
+        for key, raw in params.items():
+            if key == "dspark":  # the on/off spelling of spec_mode
+                if raw.strip():
+                    values.setdefault("spec_mode", "dspark" if _parse_bool(key, raw) else "off")
+                continue
+            f = by_name.get(key)
+            if f is None:
+                unknown[key] = raw
+                continue
+            if not raw.strip():
+                continue
+            value = _parse(f, raw)
+            if f.metadata["path"] and resolve_path is not None:
+                value = str(resolve_path(value))
+            values[key] = value
+        if "spec_mode" in params and params["spec_mode"].strip():
+            values["spec_mode"] = _parse(by_name["spec_mode"], params["spec_mode"])
+        return cls(**values), unknown
+
+    # ---- the wire form to the rank group ----------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        obj = json.loads(text)
+        if not isinstance(obj, dict):
+            raise ValueError("settings JSON must be an object")
+        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+        return cls(**obj)
+
+    # ---- command-line flags ---------------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, ap: argparse.ArgumentParser, scopes=("group", "engine"), extra=(), skip=()) -> None:
+        """Flags for the settings of `scopes` and the `extra` names, less `skip` (defaults None:
+        unset flags keep the base settings' values, see `from_args`)."""
+        for f in fields(cls):
+            if (f.metadata["scope"] not in scopes and f.name not in extra) or f.name in skip:
+                continue
+            names = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
+            kw: dict[str, Any] = dict(dest=f.name, default=None, help=f"{f.metadata['doc']} (default {f.default!r})")
+            if f.type in ("bool", bool):
+                kw["type"] = lambda raw, _k=f.name: _parse_bool(_k, raw)
+            elif f.metadata["choices"]:
+                kw["choices"] = list(f.metadata["choices"])
+            else:
+                kw["type"] = _PY_TYPES[str(f.type)]
+            ap.add_argument(*names, **kw)
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, base: "Settings | None" = None) -> "Settings":
+        """`base` (or the defaults) with the flags that were given."""
+        given = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
+        return replace(base, **given) if base is not None else cls(**given)
+
+    # ---- documentation --------------------------------------------------------------------------
+    @classmethod
+    def markdown_table(cls) -> str:
+        rows = ["| parameter | default | scope | what |", "|---|---|---|---|"]
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else ""
+            if isinstance(default, bool):
+                default = str(default).lower()
+            choices = f.metadata["choices"]
+            doc = f.metadata["doc"] + (f" ({' / '.join(c for c in choices if c)})" if choices else "")
+            rows.append(f"| `{f.name}` | `{default}` | {f.metadata['scope']} | {doc} |")
+        return "\n".join(rows)
+
+
+_PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _parse_bool(key: str, raw) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"setting {key!r} must be true or false, got {raw!r}")
+
+
+def _parse(f, raw: str):
+    """A config.pbtxt string value as the field's type (range checks happen in _coerce)."""
+    kind = _PY_TYPES[str(f.type)]
+    text = raw.strip()
+    if kind is bool:
+        return _parse_bool(f.name, text)
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"setting {f.name!r} must be an integer, got {raw!r}") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"setting {f.name!r} must be a number, got {raw!r}") from None
+    return text
+
+
+def _coerce(f, value):
+    """Type and range check of one field's value (from Python, JSON or parsed text)."""
+    kind = _PY_TYPES[str(f.type)]
+    m = f.metadata
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"setting {f.name!r} must be true or false, got {value!r}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"setting {f.name!r} must be an integer, got {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"setting {f.name!r} must be a number, got {value!r}")
+        value = float(value)
+    else:
+        if not isinstance(value, str):
+            value = str(value)  # a Path
+    if m["choices"] and value not in m["choices"]:
+        raise ValueError(f"setting {f.name!r} must be one of {', '.join(c or repr(c) for c in m['choices'])}, "
+                         f"got {value!r}")
+    if m["low"] is not None and value < m["low"]:
+        raise ValueError(f"setting {f.name!r} must be >= {m['low']}, got {value}")
+    if m["positive"] and not value > 0:
+        raise ValueError(f"setting {f.name!r} must be > 0, got {value}")
+    return value
