@@ -54,7 +54,7 @@ CONSTANTS = {
 PORT = {"graphs_per_step": 120, "world_allreduce_per_step": 43, "host_syncs_per_step": 43,
         "step_ms": (320.0, 370.0), "tpot_ms": 117.0, "tau": 2.75}
 
-# Which group each collective hook of the forward reduces over (parallel.py's placement).
+# Which group each collective hook of the forward reduces over (parallel/layout.py's placement).
 HOOK_GROUP = {"embed": "world", "engram_rows": "world", "moe_out": "world", "head": "world",
               "attn_out": "attn", "index_scores": "attn"}
 HOOK_OP = {"head": "all_gather"}  # the rest are all-reduces
@@ -87,7 +87,7 @@ def structure_config(release: ModelConfig, tokenizer) -> ModelConfig:
 
 
 def build_random_model(cfg: ModelConfig, tokenizer_path: Path = TOKENIZER, seed: int = 0, comm=None) -> V41Model:
-    """A V41Model with random weights in the checkpoint's storage formats (train_params' init and
+    """A V41Model with random weights in the checkpoint's storage formats (training.params' init and
     export, then the loader's conversions) and the Engram hasher of `tokenizer_path`."""
     from tokenizers import Tokenizer
 
@@ -232,7 +232,7 @@ _INVENTORIES: dict[int, tuple] = {}
 
 
 def _inventory(cfg: ModelConfig) -> dict:
-    """train_params.inventory, built once per config object (the release one has ~70k names)."""
+    """training.params.inventory, built once per config object (the release one has ~70k names)."""
     from v4flash_backend.training.params import inventory
 
     hit = _INVENTORIES.get(id(cfg))

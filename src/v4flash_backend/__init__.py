@@ -5,8 +5,8 @@ Subpackages, in layer order (each imports only those above it; DESIGN.md section
     config, settings, request   model config (official keys); the one serving/engine settings
                                 schema; the one request type and error type (no torch, no model)
     formats/                    number formats (e4m3fn / e2m1 / ue8m0) and the checkpoint layout
+    kernels/                    NKI kernels, one per op family (nki >= 0.6; `nki_sim` runs them on a CPU)
     ops/                        the op seam: one function per op family, backends torch / nki-sim / nki
-    kernels/                    NKI kernels behind ops (nki >= 0.6; `nki_sim` runs them on a CPU)
     model/                      the V4.1-Flash forward: attention, FFN / MoE / Engram, DSpark stages,
                                 rope, per-slot state, weights, Engram hash, loading a checkpoint
     parallel/                   the trn2 layout, collectives, the sharded model, the placement report

@@ -1,12 +1,16 @@
 """The engine's view of the model: a Runner executes forward and draft calls on cache slots.
 
-`LocalRunner` runs them in this process (W = 1). In a rank group, rank 0's runner broadcasts each
-call as a fixed-size integer plan so every rank executes the same `LocalRunner` method on its own
-shard (see `worker`); only rank 0 reads the results. Taps of the last forward stay on every rank,
-so DSpark ring writes name rows of that forward instead of shipping hidden states.
+`Runner` is the protocol the engine relies on. Implementations: `LocalRunner` (this process, op by
+op), `group.worker.PlanRunner` (rank 0 of a rank group: broadcasts each call as a fixed-size integer
+plan, so every rank executes the same `LocalRunner` method on its own shard; only rank 0 reads the
+results) and `trn2.neuron.StaticRunner` (the fixed-shape graphs per bucket). Taps of the last
+forward stay on every rank, so DSpark ring writes name rows of that forward instead of shipping
+hidden states.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -15,7 +19,28 @@ from v4flash_backend.model.state import ModelState, make_segments
 from v4flash_backend.model.transformer import StepOutput, V41Model
 
 
+class Runner(Protocol):
+    model: V41Model
+    cfg: object  # the ModelConfig
+    state: ModelState
+    drafter: DSparkDrafter | None  # None: the checkpoint has no DSpark stages
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot's state (a new request takes it)."""
+
+    def forward(self, tokens: torch.Tensor, spec: list[tuple[int, int, int]], logits_rows,
+                want_taps: bool) -> StepOutput:
+        """One target forward over segments [(slot, start, n)] in row order; logits for `logits_rows`
+        (a LongTensor of rows, or 'last' / 'all' / 'none'); DSpark taps kept when want_taps."""
+
+    def dspark(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]],
+               items: list[tuple[int, int, int]]) -> DraftOutput | None:
+        """Ring writes of committed rows, then draft blocks for items [(slot, p, anchor)]."""
+
+
 class LocalRunner:
+    """The Runner of one process: the model's own forward over a ModelState."""
+
     def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8):
         self.model = model
         self.cfg = model.cfg

@@ -2,7 +2,8 @@
 
 Turns token ids into the row indices of the Engram embedding tables (one table per Engram layer).
 The rules follow the official V4.1 ``inference/engram.py`` as restated in
-/work/shared/notes/v41_architecture.md section 3 ("Engram hash") and the golden README section 3:
+the project notes beside the repository (../shared/notes/v41_architecture.md section 3, "Engram
+hash") and ../shared/golden/v41-tiny/README.md section 3:
 
 * tokens are first mapped onto a *compressed* vocabulary (tokens that normalise alike share an id);
 * position t is hashed with the compressed ids of t, t-1, ..., t-(max_ngram-1) ("slots");

@@ -74,14 +74,72 @@ def backend_module():
     return _module
 
 
-def _dispatch(name):
-    def call(*args, **kwargs):
-        return getattr(backend_module(), name)(*args, **kwargs)
-
-    call.__name__ = name
-    call.__doc__ = f"ops.{name}: dispatched to the active backend (see torch_ops.{name} for the contract)."
-    return call
+# ---- the op families: explicit functions, each dispatched to the active backend ------------------------
+# (written out rather than generated so that go-to-definition and linters find them; the contracts and
+# shapes are in torch_ops, the reference implementation)
 
 
-for _name in FAMILIES:
-    globals()[_name] = _dispatch(_name)
+def linear_fp8(x, weight, scale):
+    """x [..., K] bf16 @ fp8 e4m3fn weight [N, K] with 32x32 e8m0 scales (or stacks [E, N, K] / [E, T, K])."""
+    return backend_module().linear_fp8(x, weight, scale)
+
+
+def linear_fp4(x, weight, scale):
+    """x [..., K] bf16 @ MXFP4 weight [N, K/2] with e8m0 scales per 32 along K (or stacks)."""
+    return backend_module().linear_fp4(x, weight, scale)
+
+
+def linear_bf16(x, weight):
+    """bf16 GEMM, fp32 accumulation, one rounding; a 3-D weight [G, N, K] is block-diagonal."""
+    return backend_module().linear_bf16(x, weight)
+
+
+def linear_f32(x, weight):
+    """fp32 GEMM (router, mHC, heads that stay in fp32)."""
+    return backend_module().linear_f32(x, weight)
+
+
+def rms_norm(x, weight, eps: float):
+    return backend_module().rms_norm(x, weight, eps)
+
+
+def sparse_attn(q, kv, sink, idxs, scale: float):
+    """Single-KV-head attention over gathered slots (idxs, -1 = empty) with a learned sink."""
+    return backend_module().sparse_attn(q, kv, sink, idxs, scale)
+
+
+def indexer_scores(q, k, w):
+    """sum_h w[b,s,h] * relu(q[b,s,h] . k[b,t]) -> [b, s, t]."""
+    return backend_module().indexer_scores(q, k, w)
+
+
+def softmax_pool(kv, score):
+    """Compressor pooling: sum_r kv * softmax_r(score), f32 [..., d]."""
+    return backend_module().softmax_pool(kv, score)
+
+
+def hc_mixes(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """mHC pre / post / Sinkhorn-normalized comb coefficients from the flattened streams."""
+    return backend_module().hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+
+def hc_expand(x, hc: int):
+    return backend_module().hc_expand(x, hc)
+
+
+def hc_collapse(x, mix):
+    return backend_module().hc_collapse(x, mix)
+
+
+def hc_post(f, residual, post, comb):
+    return backend_module().hc_post(f, residual, post, comb)
+
+
+def swiglu(gate, up, weight, limit: float):
+    """Clamped SwiGLU, optionally times a per-token routing weight."""
+    return backend_module().swiglu(gate, up, weight, limit)
+
+
+def engram_gate(h, key, value, qk_weight, eps: float):
+    """h + sigmoid(signed-sqrt(normalized <h, w*key>)) * value, per (token, stream)."""
+    return backend_module().engram_gate(h, key, value, qk_weight, eps)

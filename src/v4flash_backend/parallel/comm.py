@@ -20,7 +20,7 @@ from .layout import Layout, load_shard
 
 
 class DistComm:
-    """`model.LocalComm`'s methods for a sharded rank (see the module docstring for numerics)."""
+    """`model.transformer.LocalComm`'s methods for a sharded rank (see the module docstring for numerics)."""
 
     def __init__(self, lay: Layout, coll: Collectives, vocab_size: int):
         self.lay = lay

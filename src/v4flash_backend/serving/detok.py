@@ -6,7 +6,7 @@ chunk, or none). The postprocessing model keeps no state between chunks, yet the
 concatenation of its text deltas must equal ``tokenizer.decode(all generated ids)``
 exactly, including multi-byte characters (CJK, emoji) whose bytes are split across
 tokens and chunks. Known stateless postprocessors decode every chunk on its own and
-stream U+FFFD instead (tensorrtllm_backend#192, #493; see notes/triton.md section 2).
+stream U+FFFD instead (triton-inference-server/tensorrtllm_backend issues 192 and 493).
 
 Rule: a chunk emits ``decode(context + new)`` minus ``decode(context)``, where both
 decodes leave out a trailing *incomplete* UTF-8 character (a lead byte plus fewer

@@ -1,0 +1,164 @@
+"""The package layout: the layers of DESIGN.md section 2 as subpackages, checked from the sources.
+
+- at most 12 modules at the top level of src/v4flash_backend/;
+- no import circles between modules, counting imports inside functions too (a lazy import that
+  closes a circle is still a circle: serving/backend.py <-> serving/rank_group_backend.py was one);
+- every import goes to the same layer or one above it (LAYERS below, the order of the package
+  docstring and the README);
+- importing the serving side (what the Triton models load) loads no training module;
+- the op seam's functions are written out (go-to-definition works) with the reference's signatures.
+The checker itself is shown to catch a deliberate violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "src" / "v4flash_backend"
+
+# Layer order: a module may import its own layer or any layer listed before it.
+LAYERS = ["config", "settings", "request", "formats", "kernels", "ops", "model", "parallel", "engine", "trn2",
+          "group", "serving", "checks", "training", "cli", "client", "__main__", "__init__"]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: modules of the package it imports} from the ASTs of every source file."""
+    modules = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[:len(base) - (node.level - 1)]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                # `from pkg import name`: name may be a submodule
+                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in modules else src for a in node.names]
+            for t in targets:
+                while t and t not in modules and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in modules and t != mod and t.startswith("v4flash_backend"):
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer(mod: str) -> int:
+    parts = mod.split(".")
+    return LAYERS.index(parts[1] if len(parts) > 1 else "__init__")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    # package __init__ files (which only hold docstrings) are not edges of the layering
+    return sorted((a, b) for a, bs in graph.items() for b in bs
+                  if b.count(".") >= 1 and layer(b) > layer(a))
+
+
+def test_at_most_12_top_level_modules():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_every_subpackage_says_what_it_holds():
+    for init in PKG.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(REPO)} needs a docstring saying what it holds"
+        assert init.parent.name in LAYERS, f"{init.parent.name} is not placed in the layer order"
+
+
+def test_no_import_circles():
+    assert cycles(import_graph()) == []
+
+
+def test_imports_follow_the_layers():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_checkers_catch_a_deliberate_violation():
+    g = import_graph()
+    g["v4flash_backend.model.transformer"].add("v4flash_backend.engine.runner")  # model importing the engine
+    assert ("v4flash_backend.model.transformer", "v4flash_backend.engine.runner") in layer_violations(g)
+    # engine.runner imports model.transformer: the added edge closes a circle
+    assert any({"v4flash_backend.model.transformer", "v4flash_backend.engine.runner"} <= set(c) for c in cycles(g))
+
+
+def test_readme_and_package_docstring_list_every_subpackage():
+    readme = (REPO / "README.md").read_text()
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()))
+    for init in PKG.glob("*/__init__.py"):
+        name = init.parent.name
+        assert f"`{name}/`" in readme, f"README's layer list lacks {name}/"
+        assert f"{name}/" in doc, f"the package docstring lacks {name}/"
+
+
+def test_serving_loads_no_training_module():
+    code = ("import sys, v4flash_backend.serving.model_setup, v4flash_backend.serving.prepost, "
+            "v4flash_backend.serving.rank_group_client, v4flash_backend.group.worker\n"
+            "print(sorted(m for m in sys.modules if m.startswith('v4flash_backend.training')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_op_functions_are_explicit_with_the_reference_signatures():
+    from v4flash_backend import ops
+    from v4flash_backend.ops import torch_ops
+
+    for name in ops.FAMILIES:
+        fn = getattr(ops, name)
+        assert inspect.getsourcefile(fn) == str(PKG / "ops" / "__init__.py"), name
+        assert fn.__name__ == name
+        ref = inspect.signature(getattr(torch_ops, name)).parameters
+        assert list(inspect.signature(fn).parameters) == list(ref), name

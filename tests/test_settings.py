@@ -1,0 +1,98 @@
+"""The one settings schema: config.pbtxt, worker flags, the JSON the workers get and the README's
+parameter table all come from `Settings`, so a setting declared once is reachable everywhere."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from v4flash_backend.group.worker import build_parser, parse_settings
+from v4flash_backend.serving.params import model_parameters
+from v4flash_backend.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sample(f):
+    """A valid non-default value for a field, as (python value, config.pbtxt string)."""
+    if f.metadata["choices"]:
+        v = next(c for c in f.metadata["choices"] if c != f.default)
+        return v, v
+    if f.type == "bool":
+        return (not f.default), str(not f.default).lower()
+    if f.type == "int":
+        return f.default + 3, str(f.default + 3)
+    if f.type == "float":
+        return f.default * 2 + 1.0, repr(f.default * 2 + 1.0)
+    return "/tmp/x", "/tmp/x"
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(Settings)])
+def test_every_setting_is_a_config_pbtxt_parameter(name):
+    f = next(f for f in fields(Settings) if f.name == name)
+    value, text = _sample(f)
+    extra = {"collective_timeout_s": "1000"} if name == "heartbeat_s" else {}
+    s, unknown = Settings.from_params({name: text, **extra})
+    assert getattr(s, name) == value and unknown == {}
+
+
+def test_previously_unreachable_settings_come_from_config_pbtxt():
+    s, _ = Settings.from_params({"step_token_budget": "96", "queue_timeout_s": "7.5", "dspark": "false"})
+    assert (s.step_token_budget, s.queue_timeout_s, s.spec_mode) == (96, 7.5, "off")
+
+
+def test_bad_values_are_named():
+    for params, match in [({"max_num_seqs": "0"}, "'max_num_seqs' must be >= 1"),
+                          ({"prefill_chunk": "x"}, "'prefill_chunk' must be an integer"),
+                          ({"spec_mode": "greedy"}, "'spec_mode' must be one of dspark, fixed, off"),
+                          ({"heartbeat_s": "40"}, "'heartbeat_s' must be below half of collective_timeout_s"),
+                          ({"startup_timeout_s": "-1"}, "'startup_timeout_s' must be > 0")]:
+        with pytest.raises(ValueError, match=match):
+            Settings.from_params(params)
+    with pytest.raises(ValueError, match="unknown setting"):
+        Settings.from_json(json.dumps({"max_num_seq": 3}))  # a typo in the wire form is not ignored
+
+
+def test_the_repository_config_uses_only_known_parameters():
+    text = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    keys = re.findall(r'key\s*:\s*"([^"]+)"', text)
+    assert keys, "no parameters found"
+    params = {k: "" for k in keys}
+    _, unknown = Settings.from_params(params)
+    assert unknown == {} and set(keys) <= {f.name for f in fields(Settings)} | {"dspark"}
+
+
+def test_the_workers_receive_exactly_the_settings_and_flags_win():
+    s = Settings(checkpoint_dir="/ckpt", world_size=2, max_num_seqs=3, step_token_budget=77, spec_mode="fixed",
+                 queue_timeout_s=9.0, ops_backend="nki-sim")
+    assert Settings.from_json(s.to_json()) == s
+    args, got = parse_settings(build_parser(), ["--settings-json", s.to_json(), "--max-num-seqs", "5"])
+    assert got == s.replace(max_num_seqs=5) and args.host == "127.0.0.1"
+    # generated flags and the legacy spellings of the old worker command line
+    _, got = parse_settings(build_parser(), ["--checkpoint", "/c", "--ops", "nki-sim", "--timeout-s", "30",
+                                             "--backend", "gloo", "--step-token-budget", "64",
+                                             "--queue-timeout-s", "3"])
+    assert (got.checkpoint_dir, got.ops_backend, got.collective_timeout_s, got.dist_backend,
+            got.step_token_budget, got.queue_timeout_s) == ("/c", "nki-sim", 30.0, "gloo", 64, 3.0)
+    with pytest.raises(SystemExit):
+        parse_settings(build_parser(), ["--max-num-seqs", "2"])  # no checkpoint
+
+
+def test_readme_parameter_table_is_the_schema():
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"<!-- settings-table -->\n(.*?)\n<!-- /settings-table -->", readme, re.S)
+    assert m, "README lacks the settings table markers"
+    assert m.group(1).strip() == Settings.markdown_table().strip(), (
+        "README's parameter table differs from settings.Settings; regenerate it with "
+        "python -c 'from v4flash_backend.settings import Settings; print(Settings.markdown_table())'")
+
+
+def test_model_parameters_of_a_triton_config_round_trip():
+    cfg = {"parameters": {"max_num_seqs": {"string_value": "4"}, "tokenizer_dir": {"string_value": ""}}}
+    s, unknown = Settings.from_params(model_parameters(cfg))
+    assert s.max_num_seqs == 4 and s.tokenizer_dir == "" and unknown == {}
