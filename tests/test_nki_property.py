@@ -64,3 +64,25 @@ def test_nki_sim_forward_equals_torch_at_the_strict_level(i, cfg, prompt, decode
     res = H.strict_by_layer(diffs)
     bad = [note for ok, note in res.values() if not ok]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_the_property_check_catches_a_moved_rounding_point(tmp_path, monkeypatch):
+    """Negative control: nki-sim's RMSNorm rounding the normalized value to bf16 before the weight multiply
+    (README 6.2: 'moves a rounding point', ~1 % per layer) must fail the same check."""
+    import torch
+
+    from v4flash_backend.ops import nki_ops, torch_ops
+
+    real = nki_ops.rms_norm
+
+    def twice_rounded(x, weight, eps):
+        y = real(x, torch.ones_like(weight), eps)
+        return (weight.float() * y.float()).to(x.dtype)
+
+    monkeypatch.setattr(nki_ops, "rms_norm", twice_rounded)
+    i, cfg, prompt, decode, verify = DRAWS[0]
+    m = H.build_model(cfg, 1000 + i, tmp_path / "ckpt")
+    res = H.strict_by_layer(H.run_scenario(m, prompt, decode, 77 + i, verify=verify))
+    assert sum(not ok for ok, _ in res.values()) >= len(res) // 2
+    assert torch_ops.rms_norm is not twice_rounded
