@@ -444,3 +444,41 @@ def test_activation_fake_quant_reproduces_e4m3fn_grid_and_448_saturation():
     got = _run(body, xb.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     want = quant.fp8_act_qdq(xb)
     assert torch.equal(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16), want)
+
+
+def test_kernels_fit_the_live_sbuf_and_psum_at_release_shapes():
+    """R8 at the released model's sizes (dim 5120, hc 4, 64 heads x 512, 32 index heads x 128, expert dim
+    2304): every kernel's live SBUF stays within the 192 KiB per partition (the simulator raises otherwise) --
+    the tiny test models would never reach the limit. Peaks are recorded per program (nki_sim._runtime)."""
+    from v4flash_backend import ops, quant
+    from v4flash_backend.ops import nki_ops
+    import nki_sim._runtime as R
+    from nki_sim import _rules as RU
+
+    ops.set_numerics("reference")
+    g = torch.Generator().manual_seed(0)
+
+    def rn(*s, dt=torch.bfloat16):
+        return torch.randn(*s, generator=g).to(dt)
+
+    x = rn(300, 5120)
+    w8, s8 = quant.quantize_fp8_weight(rn(256, 5120, dt=torch.float32) / 70)
+    w4, s4 = quant.quantize_fp4_weight(rn(256, 5120, dt=torch.float32) / 70)
+    h = rn(8, 4, 5120)
+    runs = {
+        "linear_fp8": lambda: nki_ops.linear_fp8(x, w8, s8),
+        "linear_fp4": lambda: nki_ops.linear_fp4(x, w4, s4),
+        "linear_f32": lambda: nki_ops.linear_f32(x[:8].float(), rn(64, 5120, dt=torch.float32)),
+        "hc_mixes": lambda: nki_ops.hc_mixes(h, rn(24, 20480, dt=torch.float32) / 140, torch.rand(3, generator=g),
+                                             rn(24, dt=torch.float32), 4, 20, 1e-6, 1e-20),
+        "hc_post": lambda: nki_ops.hc_post(x[:8], h, torch.rand(8, 4, generator=g), torch.rand(8, 16, generator=g)),
+        "rms_norm": lambda: nki_ops.rms_norm(x, rn(5120), 1e-20),
+        "swiglu": lambda: nki_ops.swiglu(rn(8, 2304), rn(8, 2304), None, 10.0),
+        "sparse_attn": lambda: nki_ops.sparse_attn(rn(1, 2, 64, 512), rn(1, 300, 512), rn(64, dt=torch.float32),
+                                                   torch.randint(0, 300, (1, 2, 256), generator=g).int(), 512 ** -0.5),
+        "indexer_scores": lambda: nki_ops.indexer_scores(rn(1, 4, 32, 128), rn(1, 600, 128), rn(1, 4, 32)),
+    }
+    for name, run in runs.items():
+        run()
+        sbuf, banks = max(R.last_peaks)
+        assert 0 < sbuf <= RU.SBUF_USABLE and banks <= RU.PSUM_BANKS, (name, sbuf, banks)

@@ -28,6 +28,7 @@ FP8_MAX_INV = 1.0 / 448.0  # rounded to fp32 as an operand: the reference multip
 AMAX_FLOOR = 1e-4
 MB = 512  # x rows whose transposes stay in SBUF while every weight block of the column range streams by
 QB = 32  # quantization group (activations 1x32, weights 32x32 for fp8, 1x32 for fp4)
+CH = 512  # columns decoded / fake-quantized per step: bounds the fp32 temporaries in SBUF
 
 
 def _col_range(n):
@@ -51,10 +52,18 @@ def act_qdq(xt, m, k):
       the subtraction is exact. Result = q * s exactly, which bf16 holds.
     Rounding points: only the ones of the reference (the fp32 product t, the e4m3fn RNE); valid while the
     block maxima stay below 2^100 (C stays finite)."""
+    xq = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries (live SBUF, nki_sim R8)
+        cw = min(CH, k - c0)
+        _qdq_chunk(xt[0:m, c0:c0 + cw], xq[0:m, c0:c0 + cw], m, cw)
+    return xq
+
+
+def _qdq_chunk(x, xq, m, k):
     kb = k // QB
     f32, i32 = nl.float32, nl.int32
     ax = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ax[0:m], op=nl.abs, data=xt[0:m, 0:k])
+    nisa.activation(dst=ax[0:m], op=nl.abs, data=x)
     amax = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=amax[0:m], op=nl.maximum, data=ax[0:m].reshape((m, kb, QB)), axis=2)
     t = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
@@ -65,21 +74,22 @@ def act_qdq(xt, m, k):
     e = eb.view(f32)  # 2^floor(log2 t)
     ne = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=ne[0:m], data1=t[0:m], data2=e[0:m], op=nl.not_equal)  # 1.0 unless t = 2^e
-    s = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=s[0:m], data=ne[0:m], op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=e[0:m])
+    sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=sc[0:m], data=ne[0:m], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                              operand1=e[0:m])
     lim = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=lim[0:m], data=s[0:m], op0=nl.multiply, operand0=FP8_MAX)
+    nisa.tensor_scalar(dst=lim[0:m], data=sc[0:m], op0=nl.multiply, operand0=FP8_MAX)
     nlim = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=nlim[0:m], data=s[0:m], op0=nl.multiply, operand0=-FP8_MAX)
+    nisa.tensor_scalar(dst=nlim[0:m], data=sc[0:m], op0=nl.multiply, operand0=-FP8_MAX)
     low = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)  # the scaled subnormal binade 2^-6 * s
-    nisa.tensor_scalar(dst=low[0:m], data=s[0:m], op0=nl.multiply, operand0=2.0 ** -6)
+    nisa.tensor_scalar(dst=low[0:m], data=sc[0:m], op0=nl.multiply, operand0=2.0 ** -6)
 
     def grp(v):
         return v[0:m].reshape((m, kb, 1)).broadcast(2, QB)
 
     v = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
     v3 = v[0:m].reshape((m, kb, QB))
-    nisa.tensor_tensor(dst=v3, data1=xt[0:m, 0:k].reshape((m, kb, QB)), data2=grp(lim), op=nl.minimum)
+    nisa.tensor_tensor(dst=v3, data1=x.reshape((m, kb, QB)), data2=grp(lim), op=nl.minimum)
     nisa.tensor_tensor(dst=v3, data1=v3, data2=grp(nlim), op=nl.maximum)
     vb = nl.ndarray((P, k), dtype=i32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=vb[0:m], data=v.view(i32)[0:m], op0=nl.bitwise_and, operand0=0x7F800000)
@@ -88,9 +98,7 @@ def act_qdq(xt, m, k):
     nisa.tensor_tensor(dst=c3, data1=vb.view(f32)[0:m].reshape((m, kb, QB)), data2=grp(low), op=nl.maximum)
     nisa.tensor_scalar(dst=c[0:m], data=c[0:m], op0=nl.multiply, operand0=1.5 * 2.0 ** 20)
     nisa.tensor_tensor(dst=v[0:m], data1=v[0:m], data2=c[0:m], op=nl.add)  # rounds at 2^(e-3), RNE
-    xq = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=xq[0:m], data1=v[0:m], data2=c[0:m], op=nl.subtract)  # exact: q * s
-    return xq
+    nisa.tensor_tensor(dst=xq, data1=v[0:m], data2=c[0:m], op=nl.subtract)  # exact: q * s
 
 
 def _scales(dst_f32, src_u8_view, n, cols):
@@ -108,10 +116,6 @@ def _fp8_rows(weight, scale, k):
     def load(r0, n):
         wb = nl.ndarray((P, k), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
-        wi = nl.ndarray((P, k), dtype=nl.int32, buffer=nl.sbuf)
-        bytes_to_i32(wi[0:n], wb[0:n])
-        wf = nl.ndarray((P, k), dtype=nl.float32, buffer=nl.sbuf)
-        e4m3fn_to_f32(wf[0:n], wi[0:n], n)
         sb = nl.ndarray((P, kb), dtype=nl.uint8, buffer=nl.sbuf)
         for g in range(cdiv(n, QB)):  # one scale row per 32 weight rows, broadcast to those partitions (DMA)
             gn = min(QB, n - g * QB)
@@ -120,8 +124,16 @@ def _fp8_rows(weight, scale, k):
         sc = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.sbuf)
         _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=wf[0:n].reshape((n, kb, QB)),
-                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries
+            cw, g0 = min(CH, k - c0), c0 // QB
+            gw = cw // QB
+            wi = nl.ndarray((P, CH), dtype=nl.int32, buffer=nl.sbuf)
+            bytes_to_i32(wi[0:n, 0:cw], wb[0:n, c0:c0 + cw])
+            wf = nl.ndarray((P, CH), dtype=nl.float32, buffer=nl.sbuf)
+            e4m3fn_to_f32(wf[0:n, 0:cw], wi[0:n, 0:cw], n)
+            nisa.tensor_tensor(dst=wd[0:n, c0:c0 + cw].reshape((n, gw, QB)),
+                               data1=wf[0:n, 0:cw].reshape((n, gw, QB)),
+                               data2=sc[0:n, g0:g0 + gw].reshape((n, gw, 1)).broadcast(2, QB), op=nl.multiply)
         return wd
 
     return load
@@ -142,31 +154,35 @@ def _fp4_rows(weight, scale, k):
         nisa.tensor_scalar(dst=codes[0:n, :, 0], data=wu[0:n], op0=nl.bitwise_and, operand0=0xF)
         nisa.tensor_scalar(dst=codes[0:n, :, 1], data=wu[0:n], op0=nl.right_shift, operand0=4)
         cf = codes[0:n].reshape((n, k))
-        mag = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=mag[0:n], data=cf, op0=nl.bitwise_and, operand0=7)
-        sgn = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=sgn[0:n], data=cf, op0=nl.right_shift, operand0=3)
-        # |value| = 0.5*i + 0.5*relu(i-4) + relu(i-6) for i in 0..7 gives exactly the e2m1 grid
-        t4 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=t4[0:n], data=mag[0:n], op0=nl.subtract, operand0=4.0, op1=nl.maximum,
-                           operand1=0.0)
-        t6 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=t6[0:n], data=mag[0:n], op0=nl.subtract, operand0=6.0, op1=nl.maximum,
-                           operand1=0.0)
-        nisa.scalar_tensor_tensor(dst=t4[0:n], data=t4[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
-                                  operand1=t6[0:n])
-        nisa.scalar_tensor_tensor(dst=t4[0:n], data=mag[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
-                                  operand1=t4[0:n])
-        nisa.tensor_scalar(dst=t6[0:n], data=sgn[0:n], op0=nl.multiply, operand0=-2.0, op1=nl.add,
-                           operand1=1.0)  # +1 / -1
-        nisa.tensor_tensor(dst=t4[0:n], data1=t4[0:n], data2=t6[0:n], op=nl.multiply)
         sb = nl.ndarray((P, kb), dtype=u8, buffer=nl.sbuf)
         nisa.dma_copy(dst=sb[0:n], src=scale[r0:r0 + n, :])  # ue8m0 bytes (uint8: no e8m0 tiles on trn2)
         sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
         _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=t4[0:n].reshape((n, kb, QB)),
-                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries
+            cw, g0 = min(CH, k - c0), c0 // QB
+            gw = cw // QB
+            mag = nl.ndarray((P, CH), dtype=u8, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=mag[0:n, 0:cw], data=cf[:, c0:c0 + cw], op0=nl.bitwise_and, operand0=7)
+            sgn = nl.ndarray((P, CH), dtype=u8, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=sgn[0:n, 0:cw], data=cf[:, c0:c0 + cw], op0=nl.right_shift, operand0=3)
+            # |value| = 0.5*i + 0.5*relu(i-4) + relu(i-6) for i in 0..7 gives exactly the e2m1 grid
+            t4 = nl.ndarray((P, CH), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=t4[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.subtract, operand0=4.0,
+                               op1=nl.maximum, operand1=0.0)
+            t6 = nl.ndarray((P, CH), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=t6[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.subtract, operand0=6.0,
+                               op1=nl.maximum, operand1=0.0)
+            nisa.scalar_tensor_tensor(dst=t4[0:n, 0:cw], data=t4[0:n, 0:cw], op0=nl.multiply, operand0=0.5,
+                                      op1=nl.add, operand1=t6[0:n, 0:cw])
+            nisa.scalar_tensor_tensor(dst=t4[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.multiply, operand0=0.5,
+                                      op1=nl.add, operand1=t4[0:n, 0:cw])
+            nisa.tensor_scalar(dst=t6[0:n, 0:cw], data=sgn[0:n, 0:cw], op0=nl.multiply, operand0=-2.0,
+                               op1=nl.add, operand1=1.0)  # +1 / -1
+            nisa.tensor_tensor(dst=t4[0:n, 0:cw], data1=t4[0:n, 0:cw], data2=t6[0:n, 0:cw], op=nl.multiply)
+            nisa.tensor_tensor(dst=wd[0:n, c0:c0 + cw].reshape((n, gw, QB)),
+                               data1=t4[0:n, 0:cw].reshape((n, gw, QB)),
+                               data2=sc[0:n, g0:g0 + gw].reshape((n, gw, 1)).broadcast(2, QB), op=nl.multiply)
         return wd
 
     return load
