@@ -4,18 +4,23 @@ It provides the modules `nki`, `nki.isa` and `nki.language` (see `install()`), e
 eagerly with NumPy, and rejects what Trainium2 hardware or the NKI compiler rejects: partition dims above
 128, oversized or mistyped matmuls, DMA touching PSUM, stationary operands with two free dims,
 single-partition indirect DMA, `raise` in a kernel, reads of memory that was never written, outputs left
-partly unwritten. It does not model timing, engine overlap or total SBUF/PSUM capacity, and its float32
-math follows IEEE / torch CPU rounding rather than the device's approximations.
+partly unwritten, and the documented trn2 rules of `_rules` (dtype policy per target, no divide, fp32
+arithmetic ALU, indirect-DMA stride from the base tensor, start partitions, Tensor Engine tile placement,
+PSUM banks and the live SBUF / PSUM footprint, grid = LNC degree, accumulate semantics, shared_hbm races
+between the programs of a grid). It does not model timing or engine overlap; its float32 math follows
+IEEE / torch CPU rounding unless `device_like()` perturbs it within the documented precision.
 """
 
 import sys
 
 from . import isa, language
+from ._devicelike import device_like
 from ._errors import NkiValidationError, SimError
+from ._rules import set_target, target, use_target
 from ._runtime import Kernel, jit, simulate
 
 __all__ = ["isa", "language", "jit", "simulate", "Kernel", "SimError", "NkiValidationError", "install",
-           "is_installed"]
+           "is_installed", "device_like", "target", "set_target", "use_target"]
 
 IS_SIMULATOR = True
 

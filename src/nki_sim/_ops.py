@@ -8,6 +8,7 @@ model them. Bitvec operators act on the raw integer bits.
 
 import numpy as np
 
+from . import _devicelike as _DL
 from ._errors import SimError
 
 _TORCH = None
@@ -47,8 +48,9 @@ def _np_sigmoid(x):
 
 
 def _transcendental(path, fallback):
-    """fp32 -> fp32 via torch.<path> when torch is available, else the NumPy fallback."""
-    def run(x):
+    """fp32 -> fp32 via torch.<path> when torch is available, else the NumPy fallback; perturbed within the
+    assumed Scalar Engine precision in device-like mode (see _devicelike)."""
+    def exact(x):
         t = torch_module()
         if t is None:  # pragma: no cover
             return np.asarray(fallback(x), np.float32)
@@ -56,6 +58,10 @@ def _transcendental(path, fallback):
         for part in path.split("."):
             fn = getattr(fn, part)
         return fn(t.from_numpy(np.ascontiguousarray(x, np.float32))).numpy()
+
+    def run(x):
+        y = exact(x)
+        return _DL.transcendental(path, y) if _DL.active() else y
     return run
 
 
@@ -121,7 +127,7 @@ tanh = Op("tanh", act=_tanh)
 relu = Op("relu", act=lambda x: np.maximum(x, np.float32(0)))
 square = Op("square", act=lambda x: x * x)
 sign = Op("sign", act=lambda x: np.sign(x).astype(np.float32))
-reciprocal = Op("reciprocal", act=lambda x: np.float32(1) / x)
+reciprocal = Op("reciprocal", act=_transcendental("reciprocal", lambda x: np.float32(1) / x))
 abs = Op("abs", "arith", alu=lambda a, b=None: np.abs(a), act=np.abs, unary=True)  # noqa: A001
 negative = Op("negative", "arith", alu=lambda a, b=None: -a, act=lambda x: -x, unary=True)
 

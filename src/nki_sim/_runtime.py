@@ -9,16 +9,19 @@ and must be completely written.
 
 import ast
 import inspect
+import math
 import textwrap
 
 import numpy as np
 
 from . import _dtypes as D
+from . import _rules as RU
 from . import _tensor as T
 from ._blas import single_thread
 from ._errors import SimError
 
 _current = None  # the active _Launch
+last_peaks = []  # [(peak live SBUF bytes per partition, peak live PSUM banks)] per program of the last launch
 
 
 class _Launch:
@@ -28,6 +31,8 @@ class _Launch:
         self.shared = []  # shared_hbm allocations of program 0, by allocation order
         self.n_shared = 0  # allocation counter of the running program
         self.act_regs = None  # Scalar Engine reduce registers (None = never reset)
+        self.footprint = RU.Footprint()  # live SBUF / PSUM of the running program (_rules R8)
+        self.peaks = []  # (peak SBUF bytes per partition, peak PSUM banks) of every finished program
 
 
 def current():
@@ -68,7 +73,10 @@ def alloc(shape, dtype, buffer, name=""):
         if tuple(shape) != t0.shape or D.normalize(dtype) != t0.dtype:
             raise SimError("programs of one launch allocated different shared_hbm tensors")
         return T.SimTensor(t0._st, t0.dtype, t0.shape, t0.strides, 0, True)
-    return T.allocate(shape, dtype, buffer, name)
+    t = T.allocate(shape, dtype, buffer, name)
+    if buffer.on_chip:
+        launch.footprint.add(t._st, buffer.name, math.prod(t.shape[1:]) * t.dtype.itemsize, name)
+    return t
 
 
 def _check_source(fn):
@@ -108,6 +116,7 @@ class Kernel:
         grid = int(grid)
         if grid < 1:
             raise SimError(f"bad grid {grid}")
+        RU.check_grid(grid)
         return Kernel(self.fn, grid)
 
     def __call__(self, *args, **kwargs):
@@ -138,6 +147,7 @@ def launch(fn, grid, args, kwargs):
     global _current
     if _current is not None:
         raise SimError("nested kernel launch")
+    RU.check_grid(grid)
     kind = None
     wrapped = []
     for i, a in enumerate(args):
@@ -162,9 +172,13 @@ def launch(fn, grid, args, kwargs):
         with single_thread():
             for pid in range(grid):
                 state.pid, state.n_shared, state.act_regs = pid, 0, None
+                state.footprint = RU.Footprint()
                 results.append(fn(*wrapped, **kw))
+                state.peaks.append((state.footprint.peak_sbuf, state.footprint.peak_psum_banks))
     finally:
         _current = None
+        global last_peaks
+        last_peaks = state.peaks
     out = results[0]
     if out is None:  # a kernel without outputs (all programs must agree)
         if any(r is not None for r in results):

@@ -10,12 +10,13 @@ import math
 import numpy as np
 
 from . import _dtypes as D
+from . import _rules as RU
 from ._errors import SimError
 
 PMAX = 128
-# Trainium2 NeuronCore-v3: 24 MiB SBUF and 2 MiB PSUM over 128 partitions.
-SBUF_PARTITION_BYTES = 192 * 1024
-PSUM_PARTITION_BYTES = 16 * 1024
+# Per-allocation limits (the live footprint is checked by _rules.Footprint): usable SBUF and the 8 PSUM banks.
+SBUF_PARTITION_BYTES = RU.SBUF_USABLE
+PSUM_PARTITION_BYTES = RU.PSUM_BANK_BYTES * RU.PSUM_BANKS
 
 
 class Buffer:
@@ -48,13 +49,17 @@ class DynSlice:
 
 
 class Storage:
-    __slots__ = ("data", "written", "buffer", "name", "shape", "pstride", "full", "views")
+    __slots__ = ("data", "written", "buffer", "name", "shape", "pstride", "full", "views", "owner", "mm",
+                 "__weakref__")
 
     def __init__(self, data, written, buffer, name, shape, full):
         self.data, self.written, self.buffer, self.name, self.shape = data, written, buffer, name, shape
         self.pstride = math.prod(shape[1:])  # elements per partition (on-chip) / per leading row
         self.full = full  # every element written at least once (then reads need no check)
         self.views = {data.dtype: data}  # same-size reinterpretations of `data`
+        self.owner = None  # shared_hbm: program id that wrote each element (race detector, _rules R11)
+        # PSUM: element last written by a matmul (True) or by another instruction (False) (_rules R10)
+        self.mm = np.zeros(len(data), np.bool_) if buffer is psum else None
 
     def typed(self, dt):
         v = self.views.get(dt)
@@ -78,6 +83,7 @@ def _sentinel(n, dt):
 def allocate(shape, dtype, buffer, name=""):
     shape = tuple(int(s) for s in shape)
     dt = D.normalize(dtype)
+    RU.check_dtype(dt, f"tensor {name!r}")
     if not isinstance(buffer, Buffer):
         raise SimError(f"unknown buffer {buffer!r}")
     if any(s <= 0 for s in shape) or not shape:
@@ -100,6 +106,7 @@ def wrap_array(arr, buffer, name=""):
     """A kernel argument: a copy of `arr` in HBM, fully written."""
     arr = np.ascontiguousarray(arr)
     dt = D.normalize(arr.dtype)
+    RU.check_dtype(dt, f"kernel argument {name!r}")
     shape = tuple(arr.shape)
     st = Storage(arr.reshape(-1).copy(), np.ones(arr.size, np.bool_), buffer, name, shape, True)
     return SimTensor(st, dt, shape, _contig_strides(shape), 0, True)
@@ -275,6 +282,7 @@ class SimTensor:
 
     def view(self, dtype):
         dt = D.normalize(dtype)
+        RU.check_dtype(dt, f"{self.name!r}.view")
         if dt.itemsize != self.dtype.itemsize:
             raise SimError(f"{self.name!r}: view({dt}) changes the element size; not supported")
         return self._derive(self.shape, self.strides, self.offset, dtype=dt, base=self._base)
@@ -301,6 +309,7 @@ class SimTensor:
         if not self._base:
             raise SimError(f"{self.name!r}: .ap() is only allowed on an nl.ndarray, not on a view of one")
         dt = self.dtype if dtype is None else D.normalize(dtype)
+        RU.check_dtype(dt, f"{self.name!r}.ap")
         if dt.itemsize != self.dtype.itemsize:
             raise SimError("ap(dtype=...) with a different element size is not supported")
         pattern = [(int(st), int(nm)) for st, nm in pattern]
@@ -332,6 +341,7 @@ class IndirectAP:
             raise SimError(f"indirect pattern covers {pattern[0][1]} partitions, offsets give {idx.shape[0]}")
         if idx.shape[0] < 2:
             raise SimError("a vector_offset DMA needs at least 2 partitions")
+        RU.indirect_stride(base, pattern)  # R4: the device ignores the pattern's leading stride
         self.base, self.pattern, self.offset, self.idx, self.dtype = base, pattern, offset, idx, dtype
         self.shape = tuple(n for _, n in pattern)
         self.buffer = base.buffer
@@ -348,7 +358,7 @@ class IndirectAP:
         if not idx_t._all_written():
             raise SimError(f"vector_offset tile {idx_t.name!r} read before it was written")
         idx = idx_t._data().reshape(-1).astype(np.int64)
-        step0 = self.pattern[0][0]
+        step0 = RU.indirect_stride(self.base, self.pattern)  # the device's step, not the pattern's (R4)
         inner = np.zeros(1, np.int64)
         for st, nm in self.pattern[1:]:
             inner = (inner[:, None] + np.arange(nm, dtype=np.int64)[None, :] * st).reshape(-1)

@@ -13,9 +13,11 @@ import numpy as np
 
 from . import _dtypes as D
 from . import _ops as O
+from . import _rules as RU
 from . import _runtime as R
 from ._errors import NkiValidationError, SimError  # noqa: F401  (re-exported like the real package)
-from ._tensor import PMAX, IndirectAP, SimTensor, psum, sbuf
+from . import _devicelike as _DL
+from ._tensor import PMAX, IndirectAP, SimTensor, psum, sbuf, shared_hbm
 
 class engine(enum.Enum):
     tensor = "tensor"
@@ -63,7 +65,7 @@ class nc_version(enum.Enum):
 
 
 def get_nc_version():
-    return nc_version.gen3
+    return nc_version.gen3 if RU.target() == "trn2" else nc_version.gen4
 
 
 # aliases: several instructions take parameters that shadow these enum names
@@ -91,6 +93,8 @@ def _free(t):
 def _read(t):
     if not t._all_written():
         raise SimError(f"read of never-written memory in {t.name!r} {t.shape}")
+    if t.buffer is shared_hbm:
+        RU.check_shared_read(t, R.current().pid)
     return t._data()
 
 
@@ -101,12 +105,23 @@ def _f32_2d(t):
 def _write(t, vals):
     if any(s == 0 and n > 1 for s, n in zip(t.strides, t.shape)):
         raise SimError(f"destination {t.name!r} is a broadcast view")
+    if t.buffer is shared_hbm:
+        RU.check_shared_write(t, R.current().pid)
     t._data()[...] = np.asarray(vals).reshape(t.shape)
     t._mask()[...] = True
+    if t._st.mm is not None:
+        t._view(t._st.mm)[...] = False  # PSUM now holds a non-matmul value (R10)
 
 
 def _store(dst, vals_f32):
     _write(dst, D.from_f32(np.asarray(vals_f32, np.float32), dst.dtype))
+
+
+def _engine(instr, *tensors):
+    """Start-partition rule (R5) for every on-chip access of a Vector / Scalar / GpSimd instruction."""
+    for t in tensors:
+        if isinstance(t, SimTensor):
+            RU.check_start_partition(t, instr)
 
 
 def _same_lanes(ref, *others):
@@ -160,6 +175,7 @@ def _wrap(v, dt):
 def _check_op(op, what):
     if not isinstance(op, O.Op) or op.alu is None:
         raise SimError(f"{what}: {op!r} is not an ALU operator")
+    RU.check_alu(op, what)
 
 
 # ---- data movement -----------------------------------------------------------------------------------------
@@ -192,21 +208,30 @@ def _indirect_dma(dst, src, mode):
     addr = starts[valid][:, None] + inner[None, :]
     base = ind.base
     data = base._st.data if base._st.data.dtype == ind.dtype else base._st.data.view(ind.dtype)
+    pid = R.current().pid
     if ind is src:
         if not base._st.written[addr].all():
             raise SimError(f"indirect DMA reads never-written rows of {base.name!r}")
+        if base.buffer is shared_hbm:
+            RU.check_shared_read(base, pid, addr)
         vals = D.convert(data[addr], dst.dtype)
         dv, dm = dst._data(), dst._mask()
         dv[valid] = vals.reshape((-1,) + dst.shape[1:])
         dm[valid] = True
     else:
         vals = D.convert(_read(src).reshape(p, f), ind.dtype)
+        if base.buffer is shared_hbm:
+            RU.check_shared_write(base, pid, addr)
         data[addr] = vals[valid]
         base._st.written[addr] = True
 
 
 # ---- Tensor Engine --------------------------------------------------------------------------------------
 _MATMUL_DTYPES = {D.bfloat16, D.float16, D.float32, D.float8_e4m3, D.float8_e5m2}
+
+
+def _matmul_dtypes():
+    return _MATMUL_DTYPES | ({D.float8_e4m3fn} if RU.target() == "trn3" else set())
 
 
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,
@@ -223,7 +248,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if perf_mode is not matmul_perf_mode.none:
         raise SimError("matmul perf modes are not simulated")
     if is_transpose:
-        return nc_transpose(dst, stationary, engine=engine.tensor)
+        return _pe_transpose(dst, stationary, tile_position, tile_size)
     if dst.dtype != D.float32:
         raise SimError(f"nc_matmul dst must be float32 on NeuronCore-v3, got {dst.dtype}")
     if stationary.ndim != 2:
@@ -237,27 +262,49 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if stationary.pstart() != moving.pstart():
         raise SimError("nc_matmul stationary and moving must occupy the same partitions")
     for x in (stationary, moving):
-        if x.dtype not in _MATMUL_DTYPES:
+        if x.dtype not in _matmul_dtypes():
             raise SimError(f"nc_matmul operand dtype {x.dtype} is not supported on NeuronCore-v3")
     if (stationary.dtype == D.float32) != (moving.dtype == D.float32):
         raise SimError("nc_matmul: a float32 operand requires the other operand to be float32 too")
     if dst.shape[0] != m or _free(dst) != n:
         raise SimError(f"nc_matmul dst {dst.shape} does not match [{m}, {n}]")
+    RU.check_pe_placement(k, stationary.pstart(), m, dst.pstart(), tile_position, tile_size)
+    RU.check_psum_bank(dst, "nc_matmul")
     # Each PE column sums its K products independently of the tile shape. Modelled as the exactly rounded
     # fp32 value of that sum: products of bf16 / fp32 operands are exact in fp64 and the fp64 sum of at most
     # 128 of them is (all but) exact, so the result does not depend on BLAS blocking or on how a GEMM was
-    # tiled -- as on the device. Successive matmuls into one PSUM tile add in fp32.
-    st64 = D.to_f32(_read(stationary)).astype(np.float64)
-    res = (st64.T @ D.to_f32(_read(moving)).reshape(k, n).astype(np.float64)).astype(np.float32)
+    # tiled. Successive matmuls into one PSUM tile add in fp32. The device-like mode (see _devicelike)
+    # replaces the exact sum by fp32 accumulation in a random order.
+    a = D.to_f32(_read(stationary))
+    b = D.to_f32(_read(moving)).reshape(k, n)
+    res = _DL.matmul(a, b) if _DL.active() else (a.astype(np.float64).T @ b.astype(np.float64)).astype(np.float32)
     res = res.reshape(dst.shape)
     mask = dst._mask()
+    mm = dst._view(dst._st.mm)
+    RU.check_accumulate(accumulate, mask, mm, dst.name)
     if accumulate is True:
-        if not mask.all():
-            raise SimError(f"nc_matmul accumulate=True into never-written PSUM {dst.name!r}")
         res = dst._data() + res
     elif accumulate is None and mask.any():
         res = np.where(mask, dst._data(), np.float32(0)) + res
     _write(dst, res.astype(np.float32))
+    mm[...] = True
+
+
+def _pe_transpose(dst, data, tile_position=(), tile_size=()):
+    _on_chip(data, "data")
+    p, f = data.shape[0], _free(data)
+    if dst.shape[0] != f or _free(dst) != p:
+        raise SimError(f"nc_transpose dst {dst.shape} does not match [{f}, {p}]")
+    if dst.dtype != data.dtype:
+        raise SimError("nc_transpose dst must have the dtype of data")
+    if data.buffer is not sbuf or dst.buffer is not psum:
+        raise SimError("Tensor Engine transpose reads SBUF and writes PSUM")
+    if p > 128 or f > 128:
+        raise SimError(f"Tensor Engine transpose is limited to 128x128, got {p}x{f}")
+    RU.check_pe_placement(p, data.pstart(), f, dst.pstart(), tile_position, tile_size, "Tensor Engine transpose")
+    RU.check_psum_bank(dst, "Tensor Engine transpose")
+    _write(dst, _read(data).reshape(p, f).T.copy())
+    dst._view(dst._st.mm)[...] = True  # a matmul-class write (bit-exact transpose through the PE array)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -265,18 +312,16 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     _on_chip(data, "data")
     _on_chip(dst, "dst")
     p, f = data.shape[0], _free(data)
+    use_pe = engine is _ENGINE.tensor or (engine is _ENGINE.unknown and dst.buffer is psum)
+    if use_pe:
+        return _pe_transpose(dst, data)
     if dst.shape[0] != f or _free(dst) != p:
         raise SimError(f"nc_transpose dst {dst.shape} does not match [{f}, {p}]")
     if dst.dtype != data.dtype:
         raise SimError("nc_transpose dst must have the dtype of data")
-    use_pe = engine is _ENGINE.tensor or (engine is _ENGINE.unknown and dst.buffer is psum)
-    if use_pe:
-        if data.buffer is not sbuf or dst.buffer is not psum:
-            raise SimError("Tensor Engine transpose reads SBUF and writes PSUM")
-        if p > 128 or f > 128:
-            raise SimError(f"Tensor Engine transpose is limited to 128x128, got {p}x{f}")
-    elif p > 32 or f > 32:
+    if p > 32 or f > 32:
         raise SimError(f"Vector Engine transpose is limited to 32x32, got {p}x{f}")
+    _engine("nc_transpose", dst, data)
     _write(dst, _read(data).reshape(p, f).T.copy())
 
 
@@ -284,6 +329,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _on_chip(src, "src")
     _on_chip(dst, "dst")
+    _engine("tensor_copy", dst, src)
     _same_lanes(dst, src)
     _same_free(dst, src)
     _write(dst, D.convert(_read(src), dst.dtype).reshape(dst.shape[0], -1).copy())
@@ -294,24 +340,19 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
         _on_chip(x, w)
     if data1.buffer is psum and data2.buffer is psum:
         raise SimError("tensor_tensor inputs cannot both be in PSUM")
+    _engine("tensor_tensor", dst, data1, data2)
     _same_lanes(dst, data1, data2)
     _same_free(dst, data1)
     _same_free(dst, data2)
     _check_op(op, "tensor_tensor")
     ints = all(D.is_int(x.dtype) for x in (dst, data1, data2))
-    if op.kind == "bitvec" or (ints and all(x.dtype.itemsize == 4 for x in (dst, data1, data2))):
-        # bitvec operators, and int32/uint32 arithmetic (GpSimd), work on exact integers
+    if op.kind == "bitvec":  # bit patterns, exact
         if not ints:
             raise SimError(f"{op!r} needs integer tiles")
         p = dst.shape[0]
-        if op.kind == "bitvec":
-            r = op.alu(_bits(data1, p), _bits(data2, p))
-        else:
-            a = _read(data1).reshape(p, -1).astype(np.int64)
-            b = _read(data2).reshape(p, -1).astype(np.int64)
-            r = np.asarray(op.alu(a, b)).astype(np.int64)
-        _write(dst, _wrap(r, dst.dtype))
+        _write(dst, _wrap(op.alu(_bits(data1, p), _bits(data2, p)), dst.dtype))
         return
+    # arithmetic operators convert every input to fp32 first, integers included (_rules R3)
     _store(dst, op.alu(_f32_2d(data1), _f32_2d(data2)))
 
 
@@ -319,6 +360,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
                   engine=engine.unknown, name=None):
     _on_chip(data, "data")
     _on_chip(dst, "dst")
+    _engine("tensor_scalar", dst, data, operand0, operand1)
     _same_lanes(dst, data)
     _same_free(dst, data)
     _check_op(op0, "tensor_scalar op0")
@@ -353,6 +395,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         _on_chip(x, w)
     if data.buffer is psum and operand1.buffer is psum:
         raise SimError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
+    _engine("scalar_tensor_tensor", dst, data, operand0, operand1)
     _same_lanes(dst, data, operand1)
     _same_free(dst, data)
     _same_free(dst, operand1)
@@ -366,6 +409,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
 
 def _sum_rows(v):
     """fp32 sum over the last axis (torch's CPU reduction when available; see _ops)."""
+    if _DL.active():
+        return _DL.sum_rows(v)
     t = O.torch_module()
     if t is not None:
         return t.from_numpy(np.ascontiguousarray(v, np.float32)).sum(-1).numpy()
@@ -379,6 +424,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     axes = tuple(sorted(a % data.ndim for a in axes))
     if 0 in axes or axes != tuple(range(data.ndim - len(axes), data.ndim)):
         raise SimError(f"tensor_reduce axes {axis} must be the trailing free axes of {data.shape}")
+    _engine("tensor_reduce", dst, data)
     _same_lanes(dst, data)
     _check_op(op, "tensor_reduce")
     keep = data.shape[: data.ndim - len(axes)]
@@ -406,6 +452,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     into the engine's per-lane registers (reduce_cmd), read out into reduce_res."""
     _on_chip(data, "data")
     _on_chip(dst, "dst")
+    _engine("activation", dst, data, bias, scale, reduce_res)
     _same_lanes(dst, data)
     _same_free(dst, data)
     if not isinstance(op, O.Op) or op.act is None:
@@ -447,14 +494,17 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
 def reciprocal(dst, data, name=None):
     _on_chip(data, "data")
     _on_chip(dst, "dst")
+    _engine("reciprocal", dst, data)
     _same_lanes(dst, data)
     _same_free(dst, data)
-    _store(dst, np.float32(1) / _f32_2d(data))
+    v = _f32_2d(data)
+    _store(dst, _DL.transcendental("reciprocal", np.float32(1) / v) if _DL.active() else np.float32(1) / v)
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """dst[p, i...] = offset + p * channel_multiplier + sum(step_k * i_k), computed in int32."""
     _on_chip(dst, "dst")
+    _engine("iota", dst)
     if dst.buffer is not sbuf:
         raise SimError("iota writes SBUF")
     pattern = [(int(s), int(n)) for s, n in pattern]
@@ -471,6 +521,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
 
 def memset(dst, value, engine=engine.unknown, name=None):
     _on_chip(dst, "dst")
+    _engine("memset", dst)
     if D.is_int(dst.dtype):
         if not float(value).is_integer():
             raise SimError(f"memset of an integer tile with non-integer {value!r}")

@@ -41,7 +41,11 @@ class Report:
     lines: list = field(default_factory=list)
     layers_ok: int = 0
     layers_total: int = 0
-    max_layer_err: float = 0.0
+    max_layer_err: float = 0.0  # the maximum over layers of per-layer MEDIAN row errors
+    max_row_err: float = 0.0  # the maximum over every replayed row (x_out / attn_out / ffn_out)
+    rows_over: int = 0  # replayed rows above the strict STRICT_ROW_TOL
+    rows_total: int = 0
+    max_premix: float = 0.0  # max |d| of the FFN pre-mix over the replayed layers (strict bound PREMIX_TOL)
     min_cos: float = 1.0
     top1: int = 0
     top1_total: int = 0
@@ -163,10 +167,13 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
             sh["candidates"] = fx.t(f"{pre}layers.{cfg.candidate_source_layer}.candidates")
         cap: dict = {}
         out, pmix = m.block(i, x_in, fx.t(L + "pre_mix_in"), segs, st, [sh], positions, cap)
-        errs, ok = {}, True
+        errs, maxes, over, ok = {}, {}, 0, True
         for k in ("x_out", "attn_out", "ffn_out"):
             r = row_rel(cap[k], fx.t(L + k))
             errs[k] = r.median().item()
+            maxes[k] = r.max().item()
+            over += int((r > STRICT_ROW_TOL).sum())
+            rep.rows_total += r.numel()
             if loose:
                 ok &= errs[k] <= (LOOSE_X_MEDIAN if k == "x_out" else LOOSE_SUB_MEDIAN)
             else:
@@ -176,7 +183,12 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
         win = st.window[i][0, :S]
         kv_rows = int((row_rel(win, fx.t(L + "window_kv")) > 0).sum())
         ok &= loose or kv_rows <= STRICT_ROW_FRAC * S
-        notes = f"x/attn/ffn median {errs['x_out']:.1e}/{errs['attn_out']:.1e}/{errs['ffn_out']:.1e} premix {pm:.1e} kv rows differing {kv_rows}"
+        notes = (f"x/attn/ffn median {errs['x_out']:.1e}/{errs['attn_out']:.1e}/{errs['ffn_out']:.1e} "
+                 f"max {maxes['x_out']:.1e}/{maxes['attn_out']:.1e}/{maxes['ffn_out']:.1e} "
+                 f"rows>{STRICT_ROW_TOL:g} {over}/{3 * S} premix {pm:.1e} kv rows differing {kv_rows}")
+        rep.rows_over += over
+        rep.max_premix = max(rep.max_premix, pm)
+        rep.max_row_err = max(rep.max_row_err, *maxes.values())
         if i == src:
             for name, tens in (("compress_kv", st.ckv[i]), ("index_k", st.ik.get(i))):
                 if tens is not None and fx.has(L + name):
@@ -288,5 +300,6 @@ def golden_check(d: str | Path, ops_backend: str = "torch", numerics: str = "ref
         run_case(fx, m, rep, c)
     final = (f"golden: cases={len(fx.cases)} steps={rep.steps} layers_ok={rep.layers_ok}/{rep.layers_total} "
              f"max_layer_err={rep.max_layer_err:.3g} min_logit_cosine={rep.min_cos:.4f} "
-             f"top1_agree={rep.top1}/{rep.top1_total}")
+             f"top1_agree={rep.top1}/{rep.top1_total} max_row_err={rep.max_row_err:.3g} "
+             f"rows_over_{STRICT_ROW_TOL:g}={rep.rows_over}/{rep.rows_total} max_premix={rep.max_premix:.3g}")
     return not rep.failures, final, rep

@@ -3,6 +3,10 @@ of the shared value enters the stream.
 
 dot = sum_d(h * qk_weight * key) * rsqrt(mean h^2 + eps) * rsqrt(mean key^2 + eps) / sqrt(d)
 gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6)));  out = h + gate * value  (fp32, one rounding)
+
+Rounding points reproduced (bit-exact in the simulator): fp32 products h * w * key and their row sum, the two
+rstd (sum of squares, mean = sum / d correctly rounded by `div_const`, + eps, rsqrt), the products with
+rstd and d^-0.5, sqrt / sigmoid in fp32, one rounding of h + gate * value to h.dtype.
 """
 
 from . import _nki  # noqa: F401

@@ -2,6 +2,13 @@
 
 Tokens on the partitions, the hc streams and channels on the free axis; every sum over streams runs in
 the reference's order (stream 0 first), so collapse and post reproduce the fp32 reference exactly.
+
+Rounding points of hc_mixes: the mixes GEMM x . fn in fp32 (PE column sums over 128-row chunks added in
+PSUM: an fp32 reordering of the reference's F.linear), the sum of squares of the whole row in one fp32
+reduction, mean = sum / (hc*d) correctly rounded (`div_const`), + eps, rsqrt, mixes * rsqrt, then pre / post /
+comb as the reference (fp32 sigmoid, exp, sums); the Sinkhorn divisions are rounded like the reference's
+(`div_exact`, no divide instruction; one ulp off with probability ~1e-6 per element). hc_expand / hc_collapse / hc_post
+are bit-exact.
 """
 
 from . import _nki  # noqa: F401
@@ -9,7 +16,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, cdiv, load_bcast, row_tiles, transpose
+from ._common import P, cdiv, div_const, div_exact, load_bcast, row_tiles, transpose
 
 
 @nki.jit
@@ -39,20 +46,19 @@ def hc_mixes_kernel(x, fn, scale, base, hc, iters, hc_eps, norm_eps):
     for t0, m in row_tiles(n):
         xt = nl.ndarray((P, hd), dtype=f32, buffer=nl.sbuf)
         nisa.dma_copy(dst=xt[0:m], src=x[t0:t0 + m])  # bf16 -> fp32, exact
-        # sum of squares chunk by chunk in the Scalar Engine's reduce registers (no [P, hc*d] scratch)
-        ss = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
         mp = nl.ndarray((P, mix), dtype=f32, buffer=nl.psum)
         for kc in range(kc_n):
             ks = min(P, hd - kc * P)
-            sq = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
-            cmd = nisa.reduce_cmd.reset_reduce if kc == 0 else nisa.reduce_cmd.reduce
-            nisa.activation(dst=sq[0:m, 0:ks], op=nl.square, data=xt[0:m, kc * P:kc * P + ks], reduce_op=nl.add,
-                            reduce_cmd=cmd, reduce_res=ss[0:m] if kc == kc_n - 1 else None)
             xT = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
             transpose(xT[0:ks, 0:m], xt[0:m, kc * P:kc * P + ks])
             nisa.nc_matmul(dst=mp[0:m], stationary=xT[0:ks, 0:m], moving=fT[0:ks, kc, 0:mix], accumulate=kc > 0)
-        nisa.tensor_scalar(dst=ss[0:m], data=ss[0:m], op0=nl.divide, operand0=float(hd), op1=nl.add,
-                           operand1=float(norm_eps))
+        # sum of squares of the whole hc*d row in one reduction (the reference's single mean), squares written
+        # over xt, which the matmul no longer needs (no [P, hc*d] scratch)
+        ss = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=xt[0:m], op=nl.square, data=xt[0:m], reduce_op=nl.add, reduce_res=ss[0:m],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        div_const(ss[0:m], ss[0:m], hd, m)  # mean: correctly rounded sum / (hc*d), without a divide
+        nisa.tensor_scalar(dst=ss[0:m], data=ss[0:m], op0=nl.add, operand0=float(norm_eps))
         rs = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
         nisa.activation(dst=rs[0:m], op=nl.rsqrt, data=ss[0:m])
         mm = nl.ndarray((P, mix), dtype=f32, buffer=nl.sbuf)
@@ -94,13 +100,19 @@ def _sinkhorn(c, m, hc, iters, eps):
 
 
 def _normalize(c, v, m, hc, eps, rows):
-    """c /= (sum over k (rows) or over j (columns) + eps)."""
+    """c /= (sum over k (rows) or over j (columns) + eps), rounded like the reference's fp32 division
+    (`div_exact`: the ALU has no divide)."""
     src = c if rows else c.permute((0, 2, 1))
     nisa.tensor_reduce(dst=v[0:m], op=nl.add, data=src, axis=2)
     if eps:
         nisa.tensor_scalar(dst=v[0:m], data=v[0:m], op0=nl.add, operand0=eps)
-    den = v[0:m].reshape((m, hc, 1)).broadcast(2, hc) if rows else v[0:m].reshape((m, 1, hc)).broadcast(1, hc)
-    nisa.tensor_tensor(dst=c, data1=c, data2=den, op=nl.divide)
+    if rows:
+        def bc(t):
+            return t.reshape((m, hc, 1)).broadcast(2, hc)
+    else:
+        def bc(t):
+            return t.reshape((m, 1, hc)).broadcast(1, hc)
+    div_exact(c, c, v[0:m], m, bc)
 
 
 @nki.jit

@@ -5,6 +5,10 @@ heads accumulated in fp32 and rounded to bf16 once.
 Layout: (token, head) pairs of up to 128 // H tokens on the partitions. q.k^T on the Tensor Engine (d on
 the partitions: q and k rows are transposed), ReLU and the per-(token, head) weight on the engines, and the
 sum over heads as a second matmul against a 0/1 selection matrix sel[(s, h), s'] = (s == s').
+
+Rounding points reproduced: q . k in fp32 (PE sums over 128-row chunks of D: an fp32 reordering), rounded to
+bf16, ReLU, the bf16 product with w, the fp32 sum over heads (exact products of 0/1 selections, summed in
+fp32) rounded once to bf16.
 """
 
 from . import _nki  # noqa: F401

@@ -1,10 +1,16 @@
 """Linear layers y[M, N] = x[M, K] @ W[N, K].T on the Tensor Engine (fp32 PSUM accumulation, one rounding).
 
-Trainium2's matmul takes no e4m3fn/e2m1 operands, so quantized weights are dequantized in SBUF to bf16
-(exact: e4m3 and e2m1 values times a power-of-two scale fit bf16), and the fp8 activation fake-quant of the
-reference (1x32 groups, ue8m0 scale = 2^ceil(log2(amax/448)), RNE to e4m3fn saturating at 448) is applied
-to x before the GEMM, so every product equals the reference's block-scaled product; only the fp32
-summation order differs from the reference's per-32-block accumulation.
+Trainium2 has no e4m3fn / e8m0 / e2m1 tiles at all (NCC_EVRF051), so the checkpoint bytes come in as uint8
+(int8 for the packed fp4) and are decoded exactly with bitvec and fp32 instructions (see `_common`), then
+dequantized in SBUF to bf16 (exact: e4m3 and e2m1 values times a power-of-two scale fit bf16), and the fp8
+activation fake-quant of the reference (1x32 groups, ue8m0 scale = 2^ceil(log2(amax/448)), RNE to e4m3fn
+saturating at 448) is applied to x before the GEMM with fp32 / bitvec ops (`act_qdq`), so every product
+equals the reference's block-scaled product.
+
+Rounding points reproduced: the activation fake-quant (bit-exact), the bf16 dequantized weights (exact), one
+fp32 accumulation per output and one rounding to the output dtype. Not reproduced: the order of the fp32
+sum (PE columns over 128-row K chunks, chunks added in PSUM) -- an fp32 reordering, which flips the bf16
+output by one ulp in a small fraction of elements.
 
 Layout: both operands need K on the partitions, so x row tiles and W row tiles are transposed with the
 Tensor Engine. Work split: a grid of G programs splits N into G 32-aligned column ranges ("both cores").
@@ -15,13 +21,14 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import PSUM_N, P, cdiv, transpose
+from ._common import PSUM_N, P, bytes_to_i32, cdiv, e4m3fn_to_f32, e8m0_to_f32, transpose
 
 FP8_MAX = 448.0
 FP8_MAX_INV = 1.0 / 448.0  # rounded to fp32 as an operand: the reference multiplies by float32(1/448)
 AMAX_FLOOR = 1e-4
 MB = 512  # x rows whose transposes stay in SBUF while every weight block of the column range streams by
 QB = 32  # quantization group (activations 1x32, weights 32x32 for fp8, 1x32 for fp4)
+CH = 512  # columns decoded / fake-quantized per step: bounds the fp32 temporaries in SBUF
 
 
 def _col_range(n):
@@ -33,51 +40,100 @@ def _col_range(n):
 
 
 def act_qdq(xt, m, k):
-    """fp8 fake-quant of the rows xt[0:m, 0:k] (bf16) per 32 consecutive channels -> new bf16 tile."""
+    """fp8 fake-quant of the rows xt[0:m, 0:k] (bf16) per 32 consecutive channels -> new bf16 tile.
+
+    Reference: s = 2^ceil(log2(max(amax, 1e-4) * fl(1/448))), q = e4m3fn(clamp(x / s, +-448)) (RNE), x' = q * s.
+    trn2 has no e4m3fn tiles and no divide, so the same values are produced with fp32 and bitvec ops only:
+    - s from the fp32 bits of t = max(amax, 1e-4) * fl(1/448): 2^floor(log2 t) = bits & 0x7F800000, doubled when
+      t is not that power of two (exact);
+    - x / s is exact (power of two), so clamp(x / s, +-448) * s = clamp(x, +-448 s), and RNE to the e4m3fn grid
+      scaled by s is fp32 RNE to 3 mantissa bits below the binade 2^e of the value (e floored at the scaled
+      subnormal binade 2^-6 s): (v + C) - C with C = 1.5 * 2^(e + 20) rounds v at 2^(e - 3), ties to even, and
+      the subtraction is exact. Result = q * s exactly, which bf16 holds.
+    Rounding points: only the ones of the reference (the fp32 product t, the e4m3fn RNE); valid while the
+    block maxima stay below 2^100 (C stays finite)."""
+    xq = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries (live SBUF, nki_sim R8)
+        cw = min(CH, k - c0)
+        _qdq_chunk(xt[0:m, c0:c0 + cw], xq[0:m, c0:c0 + cw], m, cw)
+    return xq
+
+
+def _qdq_chunk(x, xq, m, k):
     kb = k // QB
     f32, i32 = nl.float32, nl.int32
     ax = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ax[0:m], op=nl.abs, data=xt[0:m, 0:k])
+    nisa.activation(dst=ax[0:m], op=nl.abs, data=x)
     amax = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=amax[0:m], op=nl.maximum, data=ax[0:m].reshape((m, kb, QB)), axis=2)
     t = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=t[0:m], data=amax[0:m], op0=nl.maximum, operand0=AMAX_FLOOR,
                        op1=nl.multiply, operand1=FP8_MAX_INV)
-    # s = 2^ceil(log2 t) from the fp32 bits: adding 0x7FFFFF carries into the exponent iff the mantissa
-    # is non-zero; keeping only the exponent bits then gives the power of two (t is a positive normal).
-    ones = nl.ndarray((P, kb), dtype=i32, buffer=nl.sbuf)
-    nisa.memset(dst=ones[0:m], value=0x7FFFFF)
-    sb = nl.ndarray((P, kb), dtype=i32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sb[0:m], data1=t.view(i32)[0:m], data2=ones[0:m], op=nl.add)  # exact int32
-    nisa.tensor_scalar(dst=sb[0:m], data=sb[0:m], op0=nl.bitwise_and, operand0=0x7F800000)
-    s = sb.view(f32)[0:m].reshape((m, kb, 1)).broadcast(2, QB)
-    q = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=q[0:m].reshape((m, kb, QB)), data1=xt[0:m, 0:k].reshape((m, kb, QB)), data2=s,
-                       op=nl.divide)
-    q8 = nl.ndarray((P, k), dtype=nl.float8_e4m3fn, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=q8[0:m], data=q[0:m], op0=nl.minimum, operand0=FP8_MAX, op1=nl.maximum,
-                       operand1=-FP8_MAX)  # saturate, then round-to-nearest-even into e4m3fn
-    xq = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=xq[0:m].reshape((m, kb, QB)), data1=q8[0:m].reshape((m, kb, QB)), data2=s,
-                       op=nl.multiply)
-    return xq
+    eb = nl.ndarray((P, kb), dtype=i32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=eb[0:m], data=t.view(i32)[0:m], op0=nl.bitwise_and, operand0=0x7F800000)
+    e = eb.view(f32)  # 2^floor(log2 t)
+    ne = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=ne[0:m], data1=t[0:m], data2=e[0:m], op=nl.not_equal)  # 1.0 unless t = 2^e
+    sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=sc[0:m], data=ne[0:m], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                              operand1=e[0:m])
+    lim = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=lim[0:m], data=sc[0:m], op0=nl.multiply, operand0=FP8_MAX)
+    nlim = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nlim[0:m], data=sc[0:m], op0=nl.multiply, operand0=-FP8_MAX)
+    low = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)  # the scaled subnormal binade 2^-6 * s
+    nisa.tensor_scalar(dst=low[0:m], data=sc[0:m], op0=nl.multiply, operand0=2.0 ** -6)
+
+    def grp(v):
+        return v[0:m].reshape((m, kb, 1)).broadcast(2, QB)
+
+    v = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+    v3 = v[0:m].reshape((m, kb, QB))
+    nisa.tensor_tensor(dst=v3, data1=x.reshape((m, kb, QB)), data2=grp(lim), op=nl.minimum)
+    nisa.tensor_tensor(dst=v3, data1=v3, data2=grp(nlim), op=nl.maximum)
+    vb = nl.ndarray((P, k), dtype=i32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=vb[0:m], data=v.view(i32)[0:m], op0=nl.bitwise_and, operand0=0x7F800000)
+    c = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
+    c3 = c[0:m].reshape((m, kb, QB))
+    nisa.tensor_tensor(dst=c3, data1=vb.view(f32)[0:m].reshape((m, kb, QB)), data2=grp(low), op=nl.maximum)
+    nisa.tensor_scalar(dst=c[0:m], data=c[0:m], op0=nl.multiply, operand0=1.5 * 2.0 ** 20)
+    nisa.tensor_tensor(dst=v[0:m], data1=v[0:m], data2=c[0:m], op=nl.add)  # rounds at 2^(e-3), RNE
+    nisa.tensor_tensor(dst=xq, data1=v[0:m], data2=c[0:m], op=nl.subtract)  # exact: q * s
+
+
+def _scales(dst_f32, src_u8_view, n, cols):
+    """ue8m0 scale bytes already in SBUF (uint8 [n, cols]) -> fp32 powers of two."""
+    si = nl.ndarray((P, cols), dtype=nl.int32, buffer=nl.sbuf)
+    bytes_to_i32(si[0:n], src_u8_view)
+    e8m0_to_f32(dst_f32, si[0:n])
 
 
 def _fp8_rows(weight, scale, k):
-    """Loader of weight rows [r0, r0+n): e4m3fn -> bf16 on the DMA, times the 32x32 ue8m0 tile scales."""
+    """Loader of weight rows [r0, r0+n): e4m3fn bytes (uint8) decoded exactly to fp32, times the 32x32 ue8m0
+    tile scales (bytes too), rounded once to bf16 (exact: an e4m3 value times a power of two fits bf16)."""
     kb = k // QB
 
     def load(r0, n):
-        wb = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
+        wb = nl.ndarray((P, k), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
-        sc = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.sbuf)
-        for g in range(cdiv(n, QB)):  # one scale row per 32 weight rows, broadcast to those partitions
+        sb = nl.ndarray((P, kb), dtype=nl.uint8, buffer=nl.sbuf)
+        for g in range(cdiv(n, QB)):  # one scale row per 32 weight rows, broadcast to those partitions (DMA)
             gn = min(QB, n - g * QB)
-            nisa.dma_copy(dst=sc[g * QB:g * QB + gn],
+            nisa.dma_copy(dst=sb[g * QB:g * QB + gn],
                           src=scale.ap(pattern=[[0, gn], [1, kb]], offset=(r0 // QB + g) * scale.shape[1]))
+        sc = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.sbuf)
+        _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=wb[0:n].reshape((n, kb, QB)),
-                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries
+            cw, g0 = min(CH, k - c0), c0 // QB
+            gw = cw // QB
+            wi = nl.ndarray((P, CH), dtype=nl.int32, buffer=nl.sbuf)
+            bytes_to_i32(wi[0:n, 0:cw], wb[0:n, c0:c0 + cw])
+            wf = nl.ndarray((P, CH), dtype=nl.float32, buffer=nl.sbuf)
+            e4m3fn_to_f32(wf[0:n, 0:cw], wi[0:n, 0:cw], n)
+            nisa.tensor_tensor(dst=wd[0:n, c0:c0 + cw].reshape((n, gw, QB)),
+                               data1=wf[0:n, 0:cw].reshape((n, gw, QB)),
+                               data2=sc[0:n, g0:g0 + gw].reshape((n, gw, 1)).broadcast(2, QB), op=nl.multiply)
         return wd
 
     return load
@@ -85,7 +141,8 @@ def _fp8_rows(weight, scale, k):
 
 def _fp4_rows(weight, scale, k):
     """Loader of MXFP4 rows: two e2m1 codes per byte (even element in the low nibble), code = sign bit 3 +
-    magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}, times one ue8m0 scale per 32 elements."""
+    magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}, times one ue8m0 scale (byte) per 32 elements; the
+    product rounds once to bf16 (exact)."""
     kb, kh = k // QB, k // 2
     f32, u8 = nl.float32, nl.uint8
 
@@ -97,29 +154,35 @@ def _fp4_rows(weight, scale, k):
         nisa.tensor_scalar(dst=codes[0:n, :, 0], data=wu[0:n], op0=nl.bitwise_and, operand0=0xF)
         nisa.tensor_scalar(dst=codes[0:n, :, 1], data=wu[0:n], op0=nl.right_shift, operand0=4)
         cf = codes[0:n].reshape((n, k))
-        mag = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=mag[0:n], data=cf, op0=nl.bitwise_and, operand0=7)
-        sgn = nl.ndarray((P, k), dtype=u8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=sgn[0:n], data=cf, op0=nl.right_shift, operand0=3)
-        # |value| = 0.5*i + 0.5*relu(i-4) + relu(i-6) for i in 0..7 gives exactly the e2m1 grid
-        t4 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=t4[0:n], data=mag[0:n], op0=nl.subtract, operand0=4.0, op1=nl.maximum,
-                           operand1=0.0)
-        t6 = nl.ndarray((P, k), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=t6[0:n], data=mag[0:n], op0=nl.subtract, operand0=6.0, op1=nl.maximum,
-                           operand1=0.0)
-        nisa.scalar_tensor_tensor(dst=t4[0:n], data=t4[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
-                                  operand1=t6[0:n])
-        nisa.scalar_tensor_tensor(dst=t4[0:n], data=mag[0:n], op0=nl.multiply, operand0=0.5, op1=nl.add,
-                                  operand1=t4[0:n])
-        nisa.tensor_scalar(dst=t6[0:n], data=sgn[0:n], op0=nl.multiply, operand0=-2.0, op1=nl.add,
-                           operand1=1.0)  # +1 / -1
-        nisa.tensor_tensor(dst=t4[0:n], data1=t4[0:n], data2=t6[0:n], op=nl.multiply)
+        sb = nl.ndarray((P, kb), dtype=u8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sb[0:n], src=scale[r0:r0 + n, :])  # ue8m0 bytes (uint8: no e8m0 tiles on trn2)
         sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sc[0:n], src=scale[r0:r0 + n, :])  # ue8m0 -> fp32 (exact power of two)
+        _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=wd[0:n].reshape((n, kb, QB)), data1=t4[0:n].reshape((n, kb, QB)),
-                           data2=sc[0:n].reshape((n, kb, 1)).broadcast(2, QB), op=nl.multiply)
+        for c0 in range(0, k, CH):  # column chunks bound the fp32 temporaries
+            cw, g0 = min(CH, k - c0), c0 // QB
+            gw = cw // QB
+            mag = nl.ndarray((P, CH), dtype=u8, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=mag[0:n, 0:cw], data=cf[:, c0:c0 + cw], op0=nl.bitwise_and, operand0=7)
+            sgn = nl.ndarray((P, CH), dtype=u8, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=sgn[0:n, 0:cw], data=cf[:, c0:c0 + cw], op0=nl.right_shift, operand0=3)
+            # |value| = 0.5*i + 0.5*relu(i-4) + relu(i-6) for i in 0..7 gives exactly the e2m1 grid
+            t4 = nl.ndarray((P, CH), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=t4[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.subtract, operand0=4.0,
+                               op1=nl.maximum, operand1=0.0)
+            t6 = nl.ndarray((P, CH), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=t6[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.subtract, operand0=6.0,
+                               op1=nl.maximum, operand1=0.0)
+            nisa.scalar_tensor_tensor(dst=t4[0:n, 0:cw], data=t4[0:n, 0:cw], op0=nl.multiply, operand0=0.5,
+                                      op1=nl.add, operand1=t6[0:n, 0:cw])
+            nisa.scalar_tensor_tensor(dst=t4[0:n, 0:cw], data=mag[0:n, 0:cw], op0=nl.multiply, operand0=0.5,
+                                      op1=nl.add, operand1=t4[0:n, 0:cw])
+            nisa.tensor_scalar(dst=t6[0:n, 0:cw], data=sgn[0:n, 0:cw], op0=nl.multiply, operand0=-2.0,
+                               op1=nl.add, operand1=1.0)  # +1 / -1
+            nisa.tensor_tensor(dst=t4[0:n, 0:cw], data1=t4[0:n, 0:cw], data2=t6[0:n, 0:cw], op=nl.multiply)
+            nisa.tensor_tensor(dst=wd[0:n, c0:c0 + cw].reshape((n, gw, QB)),
+                               data1=t4[0:n, 0:cw].reshape((n, gw, QB)),
+                               data2=sc[0:n, g0:g0 + gw].reshape((n, gw, 1)).broadcast(2, QB), op=nl.multiply)
         return wd
 
     return load
@@ -174,7 +237,8 @@ def _linear(x, out, load_rows, quant, cdt):
 
 @nki.jit
 def linear_fp8_kernel(x, weight, scale):
-    """x bf16 [M, K], weight e4m3fn [N, K], scale e8m0 [ceil(N/32), K/32] -> bf16 [M, N]."""
+    """x bf16 [M, K], weight e4m3fn bytes as uint8 [N, K], scale ue8m0 bytes as uint8 [ceil(N/32), K/32] ->
+    bf16 [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
     assert k % QB == 0 and weight.shape[1] == k and scale.shape == (cdiv(n, QB), k // QB)
@@ -185,7 +249,7 @@ def linear_fp8_kernel(x, weight, scale):
 
 @nki.jit
 def linear_fp4_kernel(x, weight, scale):
-    """x bf16 [M, K], weight int8 [N, K/2] (MXFP4), scale e8m0 [N, K/32] -> bf16 [M, N]."""
+    """x bf16 [M, K], weight int8 [N, K/2] (MXFP4), scale ue8m0 bytes as uint8 [N, K/32] -> bf16 [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
     assert k % QB == 0 and weight.shape[1] * 2 == k and scale.shape == (n, k // QB)

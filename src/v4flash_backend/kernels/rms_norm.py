@@ -1,12 +1,17 @@
 """RMSNorm: y = weight * (x * rsqrt(mean(x^2) + eps)) in fp32, rounded once to x.dtype (reference order:
-x * rstd first, then the weight)."""
+x * rstd first, then the weight).
+
+Rounding points reproduced (bit-exact in the simulator): the fp32 sum of squares of the whole row (one
+Scalar Engine reduction), mean = sum / d correctly rounded (`div_const`: no divide instruction), + eps,
+rsqrt, x * rstd, * weight, one rounding to x.dtype. On the device the reduction order and the rsqrt
+polynomial are the engine's own (see nki_sim's device-like mode)."""
 
 from . import _nki  # noqa: F401
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, load_bcast, row_tiles
+from ._common import P, div_const, load_bcast, row_tiles
 
 
 @nki.jit
@@ -36,8 +41,8 @@ def rstd(xt, m, d, eps):
     ss = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=sq[0:m], op=nl.square, data=xt, reduce_op=nl.add, reduce_res=ss[0:m],
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    nisa.tensor_scalar(dst=ss[0:m], data=ss[0:m], op0=nl.divide, operand0=float(d), op1=nl.add,
-                       operand1=float(eps))
+    div_const(ss[0:m], ss[0:m], d, m)  # mean = sum / d, correctly rounded as the reference's division
+    nisa.tensor_scalar(dst=ss[0:m], data=ss[0:m], op0=nl.add, operand0=float(eps))
     rs = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=rs[0:m], op=nl.rsqrt, data=ss[0:m])
     return rs

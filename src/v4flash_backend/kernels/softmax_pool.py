@@ -2,6 +2,11 @@
 
 Rows (the leading dims, flattened by the caller) on the partitions, [r, d] on the free axis; the softmax
 runs per channel over r through a permuted view.
+
+Rounding points: max, exp(score - max), sum over r, probabilities, products and the sum over r in fp32 like
+the reference; the normalisation is e * fl(1 / sum) (no divide instruction) instead of e / sum, at most
+1.5 fp32 ulps from the correctly rounded quotient (torch's own fused softmax is not the plain quotient
+either); the output stays fp32 (within a few ulps of the reference, as the parity test requires).
 """
 
 from . import _nki  # noqa: F401
@@ -32,8 +37,10 @@ def softmax_pool_kernel(kv, score):
         nisa.activation(dst=e[0:m], op=nl.exp, data=e[0:m])
         sm = nl.ndarray((P, d), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=sm[0:m], op=nl.add, data=e[0:m].permute((0, 2, 1)), axis=2)
-        nisa.tensor_tensor(dst=e[0:m], data1=e[0:m], data2=sm[0:m].reshape((m, 1, d)).broadcast(1, r),
-                           op=nl.divide)
+        rs = nl.ndarray((P, d), dtype=f32, buffer=nl.sbuf)  # no divide: multiply by the reciprocal
+        nisa.reciprocal(dst=rs[0:m], data=sm[0:m])
+        nisa.tensor_tensor(dst=e[0:m], data1=e[0:m], data2=rs[0:m].reshape((m, 1, d)).broadcast(1, r),
+                           op=nl.multiply)
         acc = nl.ndarray((P, d), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=acc[0:m], data1=kt[0:m, 0, :], data2=e[0:m, 0, :], op=nl.multiply)
         for i in range(1, r):

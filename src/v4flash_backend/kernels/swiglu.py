@@ -1,5 +1,8 @@
 """Clamped SwiGLU with an optional per-row routing weight: silu(min(gate, L)) * clamp(up, -L, L) (* w),
-fp32, rounded once to bf16. L = 0 disables the clamps."""
+fp32, rounded once to bf16. L = 0 disables the clamps.
+
+Rounding points reproduced (bit-exact): bf16 inputs widened exactly, clamps, fp32 silu, the fp32 product(s),
+one rounding to bf16."""
 
 from . import _nki  # noqa: F401
 import nki

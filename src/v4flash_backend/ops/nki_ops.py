@@ -8,9 +8,11 @@
   moved to the `neuron` device if needed and results return to the device of the first input.
 
 Host-side work here is limited to free reshapes (flattening leading dims), dtype promotions the op contract
-implies (linear_f32 operands to fp32) and padding the attention index width to a multiple of 128 with -1.
-The launch grid is V4FLASH_NKI_GRID if set, else NEURON_LOGICAL_NC_CONFIG (default 2) on the device and 1 in
-the simulator; kernels split their work over the grid's programs.
+implies (linear_f32 operands to fp32), reinterpreting fp8 / e8m0 checkpoint tensors as their uint8 bytes
+(trn2 has no such dtypes; the kernels decode the bytes) and padding the attention index width to a multiple
+of 128 with -1. The launch grid is V4FLASH_NKI_GRID if set, else NEURON_LOGICAL_NC_CONFIG (default 2 on the
+device, 1 in the simulator): the grid must equal the LNC degree; kernels split their work over the grid's
+programs.
 
 Numerics: the kernels compute what the hardware computes -- fp32 PSUM / engine arithmetic at the official
 reference's rounding points, i.e. the 'reference' numerics of `ops`; `ops.get_numerics()` is not consulted
@@ -36,7 +38,7 @@ def _grid(device):
         return int(os.environ[_GRID_ENV])
     if device:
         return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
-    return 1
+    return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))  # the grid must equal the LNC degree
 
 
 def _kernels():
@@ -86,15 +88,20 @@ def _rows(x):
 
 
 # ---- linear layers -------------------------------------------------------------------------------------
+def _bytes(t):
+    """Checkpoint fp8 / e8m0 tensors cross as their raw bytes (uint8): trn2 has no such tiles (NCC_EVRF051)."""
+    return t.contiguous().view(torch.uint8)
+
+
 def linear_fp8(x, weight, scale):
     k = _kernels()
-    y = _launch(k.linear.linear_fp8_kernel, _rows(x), weight, scale)
+    y = _launch(k.linear.linear_fp8_kernel, _rows(x), _bytes(weight), _bytes(scale))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_fp4(x, weight, scale):
     k = _kernels()
-    y = _launch(k.linear.linear_fp4_kernel, _rows(x), weight, scale)
+    y = _launch(k.linear.linear_fp4_kernel, _rows(x), weight, _bytes(scale))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
