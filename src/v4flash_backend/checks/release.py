@@ -261,6 +261,18 @@ def to_meta(model) -> None:
     if model.hasher is not None:
         model.hasher.to("meta")
     gc.collect()
+    release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand the freed weights back to the OS: glibc keeps freed heap chunks (most tensors under its
+    32 MiB mmap threshold land on the heap) as resident memory until malloc_trim."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 @contextmanager
