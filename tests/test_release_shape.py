@@ -173,3 +173,31 @@ def test_release_check_on_the_golden_tiny_config(tmp_path, golden_dir):
     k_ok, k_all = map(int, fields["kernels_ok"].split("/"))
     assert k_all == 16 and k_ok == k_all and ok  # tiny dims fit everywhere
     assert 0 < float(fields["max_sbuf_kib"]) <= 192
+
+
+@pytest.mark.parametrize("which", ["release", "golden"])
+def test_the_writers_layout_is_the_exporters(which, golden_dir):
+    """The sparse checkpoint is laid out from `placement.tensor_specs`; the embedded model's exporter
+    writes from `training.params.inventory`. Two derivations of the official layout, which must agree
+    on every name, shape and dtype (at release scale too, where no real checkpoint is at hand)."""
+    import math
+
+    from v4flash_backend.training.params import inventory
+
+    cfg = ModelConfig.release() if which == "release" else ModelConfig.from_json(golden_dir / "config.json")
+    exported = {}
+    for name, (shape, cls) in inventory(cfg).items():
+        base = name[: -len("weight")] if name.endswith("weight") else None
+        if cls in ("fp8", "fp8_deq"):
+            exported[name] = (shape, "F8_E4M3")
+            exported[base + "scale"] = ((math.ceil(shape[0] / 32), math.ceil(shape[1] / 32)), "F8_E8M0")
+        elif cls == "fp4":
+            exported[name] = ((shape[0], shape[1] // 2), "I8")
+            exported[base + "scale"] = ((shape[0], shape[1] // 32), "F8_E8M0")
+        elif cls == "engram":
+            exported[name] = (shape, "F8_E4M3")
+            exported[base + "scale"] = ((shape[0], shape[1] // 32), "F8_E8M0")
+        else:
+            exported[name] = (shape, {"bf16": "BF16", "bf16_lin": "BF16", "f32": "F32"}[cls])
+    specs = {n: (tuple(s), d) for n, s, d in placement.tensor_specs(cfg)}
+    assert specs == exported
