@@ -44,7 +44,7 @@ def test_release_check_rank(release_ckpt, rank):
     cmd = [sys.executable, "-m", "v4flash_backend", "release-check", "--config", str(CONFIG), "--world-size", "64",
            "--rank", str(rank), "--checkpoint", str(release_ckpt), "--buckets", "corners"]
     env = {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
     out = res.stdout
     final = out.strip().splitlines()[-1] if out.strip() else ""
     m = re.fullmatch(r"release-check: rank=(\d+) loaded_gib=([\d.]+) placement_gib=([\d.]+) graphs_traced=(\d+) "
@@ -57,7 +57,7 @@ def test_release_check_rank(release_ckpt, rank):
     assert not [x for x in out.splitlines() if x.startswith("load mismatch")]
     graph_lines = [x for x in out.splitlines() if x.startswith("graph ")]
     assert len(graph_lines) == 6 == int(graphs), graph_lines  # 4 verify + 2 draft graphs, all traced
-    states = re.findall(r"^kernel-footprint \S+: (ok|OVER BUDGET|FAILED|unmeasured)", out, re.M)
+    states = re.findall(r"^kernel-footprint \S+: (ok|OVER BUDGET|FAILED|unmeasured)", out, re.MULTILINE)
     assert int(k_all) == 16 == len(states)
     assert set(states) <= {"ok", "OVER BUDGET"}, states  # every kernel measured, none refused
     assert states.count("ok") == int(k_ok)

@@ -71,8 +71,8 @@ def test_sparse_checkpoint_has_the_real_layout_and_loads_through_the_serving_loa
     d = _sparse_golden(tmp_path, golden_dir)
     with CheckpointReader(golden_dir) as real, CheckpointReader(d) as sparse:
         # the same names, shapes and dtypes as the checkpoint the official code wrote
-        assert sorted(real.keys()) == sorted(sparse.keys())
-        for n in real.keys():
+        assert sorted(real) == sorted(sparse)
+        for n in real:
             assert (sparse.shape(n), sparse.dtype(n)) == (real.shape(n), real.dtype(n)), n
         assert len({sparse.info(n).file for n in sparse.keys()}) > 1  # sharded, with an index
     cfg = ModelConfig.from_json(d / "config.json")
@@ -111,12 +111,19 @@ def test_meta_trace_fails_on_shape_errors_and_data_dependent_ops():
     assert not trace_one("branch", lambda: 1 if torch.zeros(1) > 0 else 2).ok
 
 
-def test_footprint_hook_measures_live_tiles():
-    from v4flash_backend.checks import footprint
-    from v4flash_backend.kernels import _nki  # noqa: F401  (installs the simulator)
+def _nki_modules():
     import nki
     import nki.isa as nisa
     import nki.language as nl
+
+    return nisa, nl, nki
+
+
+def test_footprint_hook_measures_live_tiles():
+    from v4flash_backend.checks import footprint
+    from v4flash_backend.kernels import _nki  # noqa: F401  (installs the simulator before nki is imported)
+
+    nisa, nl, nki = _nki_modules()
 
     @nki.jit
     def k(x):

@@ -39,7 +39,6 @@ The last line is
 from __future__ import annotations
 
 import gc
-import math
 import os
 import shutil
 import sys
@@ -222,7 +221,7 @@ def load_rank(ckpt: Path, cfg: ModelConfig, lay: Layout, max_num_seqs: int,
     seconds = time.perf_counter() - t0
     after = _status_kib("RssAnon").get("RssAnon", 0)
     with CheckpointReader(ckpt) as r:
-        files = sorted({r.dir / r.info(n).file for n in r.keys()})
+        files = sorted({r.dir / r.info(n).file for n in r})
     drop_page_cache(files)
     W = model.W
     want = expected_shard(cfg, lay)
@@ -393,10 +392,12 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
                 tokens, slot, start, n = dec.padding_plan(b.seqs, b.rows)
                 taps = torch.zeros(b.seqs * b.rows, len(cfg.dspark_target_layer_ids) * cfg.dim,
                                    dtype=torch.bfloat16)
-            graphs = [(f"verify {b}", lambda b=b: dec.verify(tokens, slot, start, n, b.ctx))]
+            plan = (tokens, slot, start, n)
+            graphs = [(f"verify {b}", lambda b=b, p=plan: dec.verify(*p, b.ctx))]
             if dec.drafter is not None and (b.seqs, b.rows) not in draft_done:
                 draft_done.add((b.seqs, b.rows))
-                graphs.append((f"draft S={b.seqs} Q={b.rows}", lambda: dec.draft(taps, n, slot, start, tokens[:, 0])))
+                graphs.append((f"draft S={b.seqs} Q={b.rows}",
+                               lambda p=plan, taps=taps: dec.draft(taps, p[3], p[1], p[2], p[0][:, 0])))
             for name, fn in graphs:
                 res = trace_one(name, fn)
                 results.append(res)
