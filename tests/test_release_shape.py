@@ -208,3 +208,41 @@ def test_the_writers_layout_is_the_exporters(which, golden_dir):
             exported[name] = (shape, {"bf16": "BF16", "bf16_lin": "BF16", "f32": "F32"}[cls])
     specs = {n: (tuple(s), d) for n, s, d in placement.tensor_specs(cfg)}
     assert specs == exported
+
+
+def test_reader_falls_back_to_positioned_reads_when_a_file_cannot_be_mapped(monkeypatch, tmp_path, golden_dir):
+    """safetensors maps a file whole; a file larger than RAM + swap (a release Engram table) is refused
+    with 'unable to mmap'. The reader then reads just the requested bytes: same results, bit for bit."""
+    import v4flash_backend.formats.checkpoint as ckpt
+    from v4flash_backend.formats.checkpoint import write_checkpoint
+
+    def raw(t):
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    names = ["layers.1.engram.embed.weight", "layers.1.engram.wkv.weight", "layers.0.attn.attn_sink"]
+    with CheckpointReader(golden_dir) as r:
+        want = {n: r.get(n) for n in names}
+        rows = r.get_shard(names[0], 0, 1, 4)
+        cols = r.get_shard(names[1], 1, 2, 3)
+    write_checkpoint(tmp_path, {"scalar": torch.tensor(7, dtype=torch.int64)})
+
+    def no_map(path, framework, device="cpu"):
+        raise RuntimeError(f"unable to mmap 98305579160 bytes from file <{path}>: Cannot allocate memory (12)")
+
+    monkeypatch.setattr(ckpt, "_safe_open", no_map)
+    with CheckpointReader(golden_dir) as r:
+        for n in names:
+            assert torch.equal(raw(r.get(n)), raw(want[n])), n
+        got_rows, got_cols = r.get_shard(names[0], 0, 1, 4), r.get_shard(names[1], 1, 2, 3)
+        assert got_rows.shape == rows.shape and torch.equal(raw(got_rows), raw(rows))
+        assert got_cols.shape == cols.shape and torch.equal(raw(got_cols), raw(cols))
+        assert got_cols.untyped_storage().nbytes() == got_cols.nbytes  # compact, owns its memory
+    with CheckpointReader(tmp_path) as r:
+        assert r.get("scalar").item() == 7 and r.get("scalar").dim() == 0
+
+    def other_error(path, framework, device="cpu"):
+        raise RuntimeError("header too large")
+
+    monkeypatch.setattr(ckpt, "_safe_open", other_error)
+    with CheckpointReader(golden_dir) as r, pytest.raises(RuntimeError, match="header too large"):
+        r.get(names[2])  # only a failed map falls back; other errors surface
