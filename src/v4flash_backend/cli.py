@@ -1,4 +1,4 @@
-"""Command line: `python -m v4flash_backend {golden-check,generate} ...`."""
+"""Command line: `python -m v4flash_backend {golden-check,generate,placement,release-check} ...`."""
 
 from __future__ import annotations
 
@@ -101,5 +101,11 @@ def main(argv=None) -> int:
     pl = sub.add_parser("placement", help="bytes per rank and collectives per step of the trn2 layout (no tensors)")
     placement.add_arguments(pl)
     pl.set_defaults(fn=placement.main)
+    from v4flash_backend.checks import release
+
+    rc = sub.add_parser("release-check", help="release-shaped checkpoint load of one rank, static graphs traced "
+                                              "at release shapes, kernel SBUF/PSUM footprints (no release bytes)")
+    release.add_arguments(rc)
+    rc.set_defaults(fn=release.main)
     args = ap.parse_args(argv)
     return args.fn(args)

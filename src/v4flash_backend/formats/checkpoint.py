@@ -225,14 +225,24 @@ class CheckpointReader:
     def _handle(self, fname: str):
         h = self._handles.get(fname)
         if h is None:
-            h = _safe_open(str(self.dir / fname), framework="pt", device="cpu")
+            try:
+                h = _safe_open(str(self.dir / fname), framework="pt", device="cpu")
+            except (OSError, RuntimeError) as e:
+                # safetensors maps the whole file copy-on-write; a file larger than RAM + swap (a
+                # V4.1 Engram table is one 98 GB tensor) is refused under the kernel's default
+                # heuristic overcommit. Fall back to positioned reads of the requested bytes only.
+                if "mmap" not in str(e):
+                    raise
+                h = _PreadHandle(self.dir / fname)
             self._handles[fname] = h
         return h
 
     def get(self, name: str, shape=None, dtype=None) -> torch.Tensor:
         """The whole tensor (optionally checked with `expect` first)."""
         info = self.expect(name, shape, dtype)
-        return self._handle(info.file).get_tensor(name).clone(memory_format=torch.contiguous_format)
+        h = self._handle(info.file)
+        t = h.get_tensor(name)
+        return t if isinstance(h, _PreadHandle) else t.clone(memory_format=torch.contiguous_format)
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """tensor[..., start:stop, ...] along `dim`, reading only those bytes; the result is
@@ -248,9 +258,11 @@ class CheckpointReader:
                 f"tensor {name!r}: slice [{start}:{stop}] out of range for dim {dim} of shape {list(info.shape)}"
             )
         key = (slice(None),) * dim + (slice(start, stop),)
-        view = self._handle(info.file).get_slice(name)[key]
+        h = self._handle(info.file)
+        view = h.get_slice(name)[key]
         # compact owned copy: touches only the shard's bytes and drops any reference to the mapping
-        out = view.clone(memory_format=torch.contiguous_format)
+        # (a positioned read already returns one)
+        out = view if isinstance(h, _PreadHandle) else view.clone(memory_format=torch.contiguous_format)
         if tuple(out.shape) != info.shape[:dim] + (stop - start,) + info.shape[dim + 1 :]:
             raise CheckpointError(f"tensor {name!r}: slice read returned shape {list(out.shape)}")
         return out
@@ -280,6 +292,67 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PreadHandle:
+    """The subset of a safetensors handle the reader uses (`get_tensor`, `get_slice(name)[key]`),
+    reading with os.pread instead of a memory map: only the requested byte ranges, into a tensor
+    that owns its memory. Used for files too large to map (see `CheckpointReader._handle`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        header = read_header(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        self._base = 8 + n
+        self._meta = {k: v for k, v in header.items() if k != "__metadata__"}
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def _read_into(self, out: torch.Tensor, offset: int) -> None:
+        buf = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        done = 0
+        while done < len(buf):
+            got = os.preadv(self._fd, [buf[done:]], self._base + offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: file ends inside tensor data")
+            done += got
+
+    def _region(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        meta = self._meta[name]
+        dtype, shape = ST_TO_TORCH[meta["dtype"]], tuple(meta["shape"])
+        a = meta["data_offsets"][0]
+        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+        item = dtype.itemsize
+        out = torch.empty(shape[:dim] + (stop - start,) + shape[dim + 1:], dtype=dtype)
+        flat = out.view(outer, (stop - start) * inner) if out.numel() else out
+        for o in range(outer if out.numel() else 0):  # one contiguous run per outer index
+            self._read_into(flat[o], a + (o * shape[dim] + start) * inner * item)
+        return out
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        meta = self._meta[name]
+        if meta["shape"]:
+            return self._region(name, 0, 0, meta["shape"][0])
+        out = torch.empty((), dtype=ST_TO_TORCH[meta["dtype"]])  # a 0-d tensor
+        self._read_into(out.reshape(1), meta["data_offsets"][0])
+        return out
+
+    def get_slice(self, name: str):
+        handle = self
+
+        class _Slice:
+            def __getitem__(self, key):
+                key = key if isinstance(key, tuple) else (key,)
+                dim = len(key) - 1
+                assert all(k == slice(None) for k in key[:-1]) and key[-1].step in (None, 1)
+                return handle._region(name, dim, key[-1].start, key[-1].stop)
+
+        return _Slice()
+
+    def __exit__(self, *exc) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from v4flash_backend.model.weights import linear
 
 from .collectives import Collectives, init_distributed
 from .layout import Layout, load_shard
+from .placement import check_shapes
 
 
 class DistComm:
@@ -105,6 +106,7 @@ def load_sharded_model(ckpt_dir: str | Path, lay: Layout, coll: Collectives):
     ckpt_dir = Path(ckpt_dir)
     cfg = ModelConfig.from_json(ckpt_dir / "config.json")
     with CheckpointReader(ckpt_dir) as reader:
+        check_shapes(reader, cfg)
         weights = load_shard(reader, cfg, lay)
     return V41Model(cfg, weights, load_hasher(cfg, ckpt_dir), DistComm(lay, coll, cfg.vocab_size))
 

@@ -101,6 +101,21 @@ def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
     return sorted(out)
 
 
+def check_shapes(reader, cfg: ModelConfig) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes `cfg` implies: every tensor of the
+    reader that `tensor_specs` names must have that shape (CheckpointError naming the first few).
+    Dtypes are not checked (a checkpoint may hold `wo_a` dequantized to bf16, which the loader
+    accepts), nor tensors the specs do not name (vision, ...); a missing tensor fails where it is used.
+    The sharded loader slices by the config's head / expert / vocab counts, so a tensor of another
+    shape would otherwise load as a silently wrong shard."""
+    from v4flash_backend.formats.checkpoint import CheckpointError
+
+    bad = [f"{name}: checkpoint {list(reader.shape(name))}, config {list(shape)}"
+           for name, shape, _ in tensor_specs(cfg) if name in reader and tuple(reader.shape(name)) != tuple(shape)]
+    if bad:
+        raise CheckpointError(f"{len(bad)} tensor(s) do not match the config's shapes, e.g. " + "; ".join(bad[:3]))
+
+
 def _memory_dtype(name: str, st_dtype: str, cfg: ModelConfig) -> str | None:
     """The dtype `weights.convert` keeps in memory (None: consumed at load, not kept)."""
     if name.endswith("attn.wo_a.scale"):

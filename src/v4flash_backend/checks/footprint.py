@@ -1,0 +1,267 @@
+"""Live SBUF / PSUM footprint of NKI kernel launches under the CPU simulator, and the release-shape
+kernel check of `release-check`.
+
+Measuring hook (from outside `nki_sim`, which this module does not change): `measuring()` wraps
+`nki_sim._runtime.alloc` and `nki_sim._runtime.launch`. Every on-chip allocation is recorded with its
+bytes per partition (free size x item size; PSUM also in 2 KiB banks, rounded up per tile). A tile is
+live from its allocation until the kernel drops its last reference to it (CPython refcounts, checked
+at every allocation -- the only moments a peak can rise), per program of the launch grid. The same
+semantics as the simulator's own footprint rule being added in issue 12 (`nki_sim._rules.Footprint`),
+which should replace this hook once merged. It is conservative against the compiler, which can reuse
+the space of a tile whose last use has passed while a Python name still holds it.
+
+Budgets (`nki_sim._rules` of issue 12, after aws-neuron-sdk `nki/guides/architecture/trainium2_arch.rst`):
+192 KiB of SBUF per partition usable by a kernel (NeuronCore-v3 has 224 KiB physical, the rest left
+to the compiler) and PSUM 16 KiB per partition = 8 banks of 2 KiB.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+SBUF_BUDGET = 192 * 1024
+PSUM_BUDGET = 16 * 1024
+PSUM_BANK = 2 * 1024
+PSUM_BANKS = 8
+GRID = 2  # programs per launch: the LNC of a trn2 rank (ops.nki_ops uses 1 in the simulator by default)
+
+# the op seam functions (ops/__init__.py), each running one of the kernels of kernels.KERNELS
+OP_NAMES = ("linear_fp8", "linear_fp4", "linear_bf16", "linear_f32", "rms_norm", "sparse_attn", "indexer_scores",
+            "softmax_pool", "hc_mixes", "hc_expand", "hc_collapse", "hc_post", "swiglu", "engram_gate")
+
+
+def arg_sig(a):
+    """Hashable skeleton of an op argument: ('T', shape, dtype) for a tensor, else the value."""
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), str(a.dtype).replace("torch.", ""))
+    if isinstance(a, float):
+        return float(a)
+    return a
+
+
+# ---- the measuring hook -------------------------------------------------------------------------------
+class _Tracker:
+    def __init__(self):
+        self.live: list = []  # [storage, bytes per partition, on-chip kind]
+        self.program = None
+        self.reset()
+
+    def reset(self):
+        self.live.clear()
+        self.sbuf = self.psum = self.banks = 0
+        self.peak_sbuf = self.peak_psum = self.peak_banks = 0
+
+    def _prune(self):
+        keep = []
+        for ent in self.live:
+            st = ent[0]
+            if sys.getrefcount(st) > _ALIVE_REFS:  # someone besides this list still holds the tile
+                keep.append(ent)
+        self.live = keep
+        self.sbuf = sum(e[1] for e in keep if e[2] == "sbuf")
+        self.psum = sum(e[1] for e in keep if e[2] == "psum")
+        self.banks = sum(-(-e[1] // PSUM_BANK) for e in keep if e[2] == "psum")
+
+    def add(self, storage, nbytes: int, kind: str, program):
+        if program != self.program:  # a new program of the grid: the last one's tiles are gone
+            self.program = program
+            self.live.clear()
+        self._prune()
+        self.live.append([storage, nbytes, kind])
+        if kind == "sbuf":
+            self.sbuf += nbytes
+        else:
+            self.psum += nbytes
+            self.banks += -(-nbytes // PSUM_BANK)
+        self.peak_sbuf = max(self.peak_sbuf, self.sbuf)
+        self.peak_psum = max(self.peak_psum, self.psum)
+        self.peak_banks = max(self.peak_banks, self.banks)
+
+
+def _alive_refs() -> int:
+    """getrefcount of an object referenced only by a _Tracker.live entry, seen from _prune's loop."""
+    obj = type("_Probe", (), {})()
+    t = _Tracker()
+    t.live.append([obj, 0, "sbuf"])
+    del obj
+    for ent in t.live:  # the same references as in _prune: the list entry, `st`, getrefcount's argument
+        st = ent[0]
+        return sys.getrefcount(st)
+
+
+_ALIVE_REFS = _alive_refs()
+
+
+@dataclass
+class Launch:
+    kernel: str
+    peak_sbuf: int
+    peak_psum: int
+    peak_banks: int
+
+
+@contextmanager
+def measuring():
+    """Within the block, every nki_sim kernel launch appends a `Launch` to the yielded list."""
+    from v4flash_backend.kernels import _nki
+
+    if not _nki.USING_SIMULATOR:
+        raise RuntimeError("footprint measurement needs the nki_sim simulator (V4FLASH_NKI=sim)")
+    import nki_sim._runtime as R
+
+    tracker = _Tracker()
+    launches: list[Launch] = []
+    orig_alloc, orig_launch = R.alloc, R.launch
+
+    def alloc(shape, dtype, buffer, name=""):
+        t = orig_alloc(shape, dtype, buffer, name)
+        if buffer.on_chip:
+            per_part = math.prod(t.shape[1:]) * t.dtype.itemsize
+            cur = R._current
+            tracker.add(t._st, per_part, buffer.name, (id(cur), cur.pid if cur else None))
+        return t
+
+    def launch(fn, grid, args, kwargs):
+        tracker.reset()
+        tracker.program = None
+        try:
+            return orig_launch(fn, grid, args, kwargs)
+        finally:
+            tracker.live.clear()
+            launches.append(Launch(getattr(fn, "__name__", "kernel"), tracker.peak_sbuf, tracker.peak_psum,
+                                   tracker.peak_banks))
+
+    from nki_sim._rules import measure_only
+
+    R.alloc, R.launch = alloc, launch
+    try:
+        with measure_only():  # over-budget kernels run to completion so their peaks can be reported
+            yield launches
+    finally:
+        R.alloc, R.launch = orig_alloc, orig_launch
+
+
+# ---- the release-shape kernel check -----------------------------------------------------------------
+@dataclass
+class KernelResult:
+    kernel: str
+    launches: int = 0
+    failures: list = field(default_factory=list)
+    peak_sbuf: int = 0
+    peak_psum: int = 0
+    peak_banks: int = 0
+    worst: str = ""  # the op call with the largest SBUF footprint
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_sbuf <= SBUF_BUDGET and self.peak_psum <= PSUM_BUDGET and self.peak_banks <= PSUM_BANKS
+
+    @property
+    def ok(self) -> bool:
+        return self.launches > 0 and not self.failures and self.fits
+
+
+def _make(a, g: torch.Generator, idx_range: int | None = None):
+    """A real input for a signature entry: values a kernel accepts (finite floats, unit e8m0 scales,
+    valid attention slots)."""
+    if not (isinstance(a, tuple) and a and a[0] == "T"):
+        return a
+    shape, dt = a[1], getattr(torch, a[2])
+    if dt == torch.float8_e8m0fnu:
+        return torch.full(shape, 127, dtype=torch.uint8).view(dt)  # 2^0
+    if dt in (torch.int8, torch.uint8):
+        return torch.randint(-128 if dt == torch.int8 else 0, 128 if dt == torch.int8 else 256, shape,
+                             dtype=dt, generator=g)
+    if dt in (torch.int32, torch.int64):
+        hi = idx_range or 1
+        return torch.randint(-1, hi, shape, dtype=dt, generator=g)
+    return (torch.randn(shape, generator=g) * 0.5).to(dt)
+
+
+def _inputs(op: str, sig, g):
+    kw = {}
+    args = []
+    for a in sig:
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and a[0] != "T":
+            kw[a[0]] = _make(a[1], g)
+        else:
+            args.append(a)
+    idx_range = None
+    if op == "sparse_attn":
+        idx_range = args[1][1][1]  # kv rows
+    vals = [_make(a, g, idx_range) for a in args]
+    return vals, kw
+
+
+def _describe(op, sig) -> str:
+    parts = []
+    for a in sig:
+        if isinstance(a, tuple) and a and a[0] == "T":
+            parts.append(f"{a[2]}{list(a[1])}")
+    return f"{op}({', '.join(parts)})"
+
+
+def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]:
+    """Run every recorded op call {op: {signature}} (see `release._OpRecorder`) on the nki-sim backend
+    with fresh inputs of those shapes; one KernelResult per kernel of `kernels.KERNELS` (a kernel no
+    call reaches counts as not ok: unmeasured)."""
+    import os
+
+    from v4flash_backend import kernels, ops
+
+    names = [k.__name__ for fams in kernels.KERNELS.values() for k in fams]
+    res = {n: KernelResult(n) for n in names}
+    g = torch.Generator().manual_seed(0)
+    saved = ops.get_backend()
+    saved_grid = os.environ.get("V4FLASH_NKI_GRID")
+    os.environ["V4FLASH_NKI_GRID"] = str(grid)
+    ops.set_backend("nki-sim")
+    try:
+        with measuring() as launches:
+            for op in OP_NAMES:
+                for sig in sorted(calls.get(op, ()), key=repr):
+                    args, kw = _inputs(op, sig, g)
+                    n0 = len(launches)
+                    t0 = time.perf_counter()
+                    err = None
+                    try:
+                        getattr(ops, op)(*args, **kw)
+                    except Exception as e:  # the simulator refused the launch
+                        err = f"{type(e).__name__}: {str(e)[:200]}"
+                    dt = time.perf_counter() - t0
+                    for la in launches[n0:] or [Launch(op, 0, 0, 0)]:
+                        r = res.setdefault(la.kernel, KernelResult(la.kernel))
+                        r.launches += 1
+                        r.seconds += dt
+                        if err:
+                            r.failures.append(f"{_describe(op, sig)}: {err}")
+                        if la.peak_sbuf >= r.peak_sbuf:
+                            r.worst = _describe(op, sig)
+                        r.peak_sbuf = max(r.peak_sbuf, la.peak_sbuf)
+                        r.peak_psum = max(r.peak_psum, la.peak_psum)
+                        r.peak_banks = max(r.peak_banks, la.peak_banks)
+                        if log:
+                            log(f"kernel {la.kernel} {_describe(op, sig)}: sbuf_kib={la.peak_sbuf / 1024:.1f} "
+                                f"psum_kib={la.peak_psum / 1024:.1f} banks={la.peak_banks} {dt:.1f}s"
+                                + (f" FAILED {err}" if err else ""))
+    finally:
+        ops.set_backend(saved)
+        if saved_grid is None:
+            os.environ.pop("V4FLASH_NKI_GRID", None)
+        else:
+            os.environ["V4FLASH_NKI_GRID"] = saved_grid
+    out = [res[n] for n in names] + [r for n, r in res.items() if n not in names]
+    if log:
+        for r in out:
+            state = "ok" if r.ok else ("unmeasured" if not r.launches else "FAILED" if r.failures else "OVER BUDGET")
+            log(f"kernel-footprint {r.kernel}: {state} launches={r.launches} peak_sbuf_kib={r.peak_sbuf / 1024:.1f} "
+                f"(budget {SBUF_BUDGET // 1024}) peak_psum_kib={r.peak_psum / 1024:.1f} banks={r.peak_banks}/"
+                f"{PSUM_BANKS} worst={r.worst} {r.seconds:.1f}s")
+    return out
