@@ -91,6 +91,12 @@ class Settings:
     sps_path: str = setting(
         "", "DSpark steps/s table: loaded if present, else profiled and saved; empty: profile at start",
         scope="engine", path=True)
+    calibration_online: bool = setting(
+        True, "keep the DSpark confidence head's calibration current from the acceptances observed "
+        "(per temperature regime)", scope="engine")
+    calibration_path: str = setting(
+        "", "STS temperatures of the confidence head; empty: the checkpoint's dspark_calibration.json "
+        "if present", scope="engine", path=True)
     queue_timeout_s: float = setting(
         120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
         scope="engine", low=0.0)

@@ -22,6 +22,7 @@ from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.settings import Settings
 
 from . import dspark_accept as acc
+from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed
 from .sampling import SamplingParams, TorchSampler, make_generator
 
@@ -66,6 +67,7 @@ class _Seq:
     verify_steps: int = 0
     gen: torch.Generator | None = None
     draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
+    conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for that block
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
@@ -83,6 +85,7 @@ class Engine:
         if self.cfg.spec_mode != "off" and runner.drafter is None:
             self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
+        self.calib = OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online) if self.spec else None
         self.free = list(range(self.cfg.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[_Seq] = []
@@ -99,6 +102,11 @@ class Engine:
     @property
     def spec(self) -> bool:
         return self.cfg.spec_mode != "off"
+
+    def _load_calibration(self) -> Calibration:
+        if self.cfg.calibration_path:
+            return Calibration.load(self.cfg.calibration_path, self.gamma)
+        return Calibration.for_checkpoint(self.cfg.checkpoint_dir, self.gamma)
 
     # ---- public API (thread-safe) -----------------------------------------------------------
     def validate(self, r: GenerateRequest) -> None:
@@ -146,6 +154,8 @@ class Engine:
                      slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
+        if self.calib is not None:
+            d.update(self.calib.stats())
         return d
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
@@ -293,6 +303,8 @@ class Engine:
                 for j in range(s.ell):
                     self.admitted_at[j] += 1
                     self.accepted_at[j] += int(res.accepted[i]) > j
+                if s.ell and s.conf_logits is not None:
+                    self.calib.observe(regime(s.req.temperature), s.conf_logits, s.ell, int(res.accepted[i]))
                 self.totals["admitted"] += s.ell
                 self.totals["accepted"] += int(res.accepted[i])
                 self.totals["verify_rows"] += 1
@@ -338,14 +350,18 @@ class Engine:
                                  self._sampler(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
+        # the head reads each draft's predecessor (block.prev), never the draft itself: c_k must not
+        # look at x_k, or admission would depend on the draws it gates (notes/dspark.md section 5)
+        conf_logits = d.confidence(out.hidden, d.markov(block.prev)[1])
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
         else:
-            c = torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1]))
+            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
             ell = admit(c, self.ensure_sps())
         ell = torch.minimum(ell, room)
         for i, s in enumerate(seqs):
             s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
+            s.conf_logits = conf_logits[i].detach()
             s.ell = int(ell[i])
             s.drafted += self.gamma
         self.totals["drafted"] += self.gamma * len(seqs)
