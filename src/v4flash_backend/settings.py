@@ -91,6 +91,11 @@ class Settings:
     sps_path: str = setting(
         "", "DSpark steps/s table: loaded if present, else profiled and saved; empty: profile at start",
         scope="engine", path=True)
+    step_aside: bool = setting(
+        True, "skip the draft stages on steps where the expected gain of drafting (observed acceptance, "
+        "profiled step cost) does not pay for them; probe again every probe_every steps", scope="engine")
+    probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
+                               scope="engine", low=1)
     calibration_online: bool = setting(
         True, "keep the DSpark confidence head's calibration current from the acceptances observed "
         "(per temperature regime)", scope="engine")

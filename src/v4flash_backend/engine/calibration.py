@@ -212,6 +212,8 @@ class OnlineCalibrator:
         self._obs = {r: deque(maxlen=window) for r in REGIMES}
         self._since = {r: 0 for r in REGIMES}
         self.refits = {r: 0 for r in REGIMES}
+        self._rates: dict[str, list[float]] = {}
+        self._rates_key: dict[str, tuple] = {}
 
     def observe(self, reg: str, logits: torch.Tensor, admitted: int, accepted: int) -> None:
         """One verified block: the head's logits [G] for it, drafts admitted and accepted."""
@@ -229,6 +231,23 @@ class OnlineCalibrator:
             G = self.cal.gamma
             return torch.zeros(0, G, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
         return (torch.stack([o[0] for o in obs]), torch.tensor([o[1] for o in obs]), torch.tensor([o[2] for o in obs]))
+
+    def acceptance_rates(self, reg: str, min_rows: int = 8) -> list[float]:
+        """Observed conditional acceptance per position over the window (blocks that verified k with
+        every earlier draft accepted). A position with fewer than `min_rows` observations takes the
+        previous position's rate (1.0 for the first: no evidence yet means "try drafting")."""
+        key = (reg, len(self._obs[reg]), self._since[reg])
+        if self._rates_key.get(reg) == key:
+            return self._rates[reg]
+        _, adm, acc = self.observations(reg)
+        rates, prev = [], 1.0
+        for k in range(self.cal.gamma):
+            rows = (adm > k) & (acc >= k)
+            n = int(rows.sum())
+            prev = float((acc[rows] > k).double().mean()) if n >= min_rows else prev
+            rates.append(prev)
+        self._rates[reg], self._rates_key[reg] = rates, key
+        return rates
 
     def refit(self, reg: str) -> None:
         self._since[reg] = 0
