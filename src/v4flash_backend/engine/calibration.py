@@ -100,14 +100,28 @@ def survivals(logits: torch.Tensor, params) -> torch.Tensor:
 IDENTITY = (1.0, 0.0)
 
 
-def _grid_fit(score_fn, label: torch.Tensor, bins: int) -> tuple[float, float]:
-    """The (T, b) of the grid whose score_fn(c) has the lowest ECE against label (first on ties,
-    scanning T from small to large, b from 0 outwards, so the identity wins a flat objective)."""
+def nll(conf: torch.Tensor, label: torch.Tensor) -> float:
+    """Mean log loss of conf against a 0/1 label (a proper scoring rule)."""
+    c = conf.double().clamp(1e-9, 1 - 1e-9)
+    y = label.double()
+    return float(-(y * c.log() + (1 - y) * (1 - c).log()).mean())
+
+
+OBJECTIVES = ("ece", "nll")
+
+
+def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece") -> tuple[float, float]:
+    """The (T, b) of the grid whose score_fn(c) scores best against label: lowest ECE, or lowest log
+    loss (first on ties, scanning T from small to large, b from 0 outwards, so the identity wins a
+    flat objective)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     best, best_p = math.inf, IDENTITY
     b_order = sorted(B_GRID.tolist(), key=abs)
     for t in T_GRID.tolist():
         for b in b_order:
-            e = ece(score_fn(t, b), label, bins)
+            c = score_fn(t, b)
+            e = ece(c, label, bins) if objective == "ece" else nll(c, label)
             if e < best - 1e-12:
                 best, best_p = e, (t, b)
     return best_p
@@ -118,7 +132,8 @@ def prefix_labels(accepted: torch.Tensor, G: int) -> torch.Tensor:
     return accepted.reshape(-1, 1) > torch.arange(G).reshape(1, -1)
 
 
-def fit_sts(logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10) -> list[tuple[float, float]]:
+def fit_sts(logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
+            objective: str = "ece") -> list[tuple[float, float]]:
     """Offline STS on fully verified blocks: logits [N, G] of the confidence head, accepted [N] the
     number of accepted drafts (all G verified). Returns [(T_k, b_k)] for k = 0..G-1."""
     N, G = logits.shape
@@ -127,7 +142,7 @@ def fit_sts(logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10) -> lis
     prev = torch.ones(N, dtype=torch.float64)
     for k in range(G):
         x = logits[:, k].double()
-        p = _grid_fit(lambda t, b: prev * torch.sigmoid(x / t + b), labels[:, k], bins)
+        p = _grid_fit(lambda t, b: prev * torch.sigmoid(x / t + b), labels[:, k], bins, objective)
         params.append(p)
         prev = prev * torch.sigmoid(x / p[0] + p[1])
     return params

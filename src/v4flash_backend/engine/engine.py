@@ -397,9 +397,7 @@ class Engine:
                                  self._sampler(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
-        # the head reads each draft's predecessor (block.prev), never the draft itself: c_k must not
-        # look at x_k, or admission would depend on the draws it gates (notes/dspark.md section 5)
-        conf_logits = d.confidence(out.hidden, d.markov(block.prev)[1])
+        conf_logits = self._confidence_logits(out, block)
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
@@ -415,6 +413,12 @@ class Engine:
             s.ell = int(ell[i])
             s.drafted += self.gamma
         self.totals["drafted"] += self.gamma * len(seqs)
+
+    def _confidence_logits(self, out, block: acc.DraftBlock) -> torch.Tensor:
+        """The confidence head on each draft's predecessor (block.prev), never the draft itself: c_k
+        must not look at x_k, or admission would depend on the draws it gates (notes/dspark.md 5)."""
+        d = self.runner.drafter
+        return d.confidence(out.hidden, d.markov(block.prev)[1])
 
     def _block(self, seqs: list[_Seq]) -> acc.DraftBlock:
         """Stack the seqs' draft blocks; a seq without one gets a placeholder verified with ell 0."""

@@ -98,6 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--objective", choices=("ece", "nll"), default="ece",
+                    help="what the per-position search minimises (the report is ECE either way)")
+    ap.add_argument("--observations", type=Path, default=None,
+                    help="cache of the collected blocks: loaded when it exists (same prompts), else written")
     ap.add_argument("--dry-run", action="store_true", help="print the report, do not write the file")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -114,22 +118,31 @@ def main(argv=None) -> int:
     cal = Calibration(G)
     lines = [f"{'regime':>8} {'pos':>3} {'observed':>8} {'raw a_k':>8} {'cal a_k':>8} {'ECE raw':>8} "
              f"{'ECE cal':>8} {'AUROC':>7}"]
-    report = {"prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "seed": a.seed}
+    report = {"prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "seed": a.seed,
+              "objective": a.objective}
     t0 = time.time()
     bar = Progress(4 * len(fit_p), "calibrate")
     base = 0
+    cache = torch.load(a.observations) if a.observations and a.observations.exists() else None
+    collected = {}
     for reg, temp in (("greedy", 0.0), ("sampled", 1.0)):  # one progress bar across the four runs
-        fl, fa = collect(model, fit_p, temp, a.max_tokens, a.batch, a.seed,
-                         lambda n, off=base: bar.update(off + n - 1, reg))
-        base += len(fit_p)
-        el, ea = collect(model, eval_p, temp, a.max_tokens, a.batch, a.seed + 10_000,
-                         lambda n, off=base: bar.update(off + n - 1, reg))
-        base += len(eval_p)
-        cal.params[reg] = fit_sts(fl, fa)
+        if cache is not None:
+            fl, fa, el, ea = cache[reg]
+        else:
+            fl, fa = collect(model, fit_p, temp, a.max_tokens, a.batch, a.seed,
+                             lambda n, off=base: bar.update(off + n - 1, reg))
+            base += len(fit_p)
+            el, ea = collect(model, eval_p, temp, a.max_tokens, a.batch, a.seed + 10_000,
+                             lambda n, off=base: bar.update(off + n - 1, reg))
+            base += len(eval_p)
+        collected[reg] = (fl, fa, el, ea)
+        cal.params[reg] = fit_sts(fl, fa, objective=a.objective)
         rows, rep = report_lines(reg, el, ea, cal.params[reg])
         rep["fit_blocks"] = int(len(fa))
         report[reg] = rep
         lines += rows
+    if a.observations and cache is None:
+        torch.save(collected, a.observations)
     report["seconds"] = round(time.time() - t0, 1)
     cal.report = report
     print("\n".join(lines))
