@@ -1,16 +1,27 @@
-"""DSpark vs plain decoding vs fixed-length speculation, measured side by side in one run.
+"""Plain decoding vs DSpark vs fixed-5 speculation, interleaved and repeated, over many prompts.
 
-Same checkpoint, same prompts, same engine; for each (batch, temperature) the three modes run
-back to back and the ratios are printed (the machine is noisy: compare ratios, not absolutes).
+    .venv/bin/python perf/bench_dspark.py [--checkpoint DIR] [--prompts FILE] [--rounds 3]
+                                          [--batches 1,8] [--temps 0,1] [--max-tokens 48]
 
-    python perf/bench_dspark.py [--checkpoint DIR] [--max-tokens N] [--batches 1,8] [--temps 0,1]
+Each (batch, temperature) cell runs the three modes in interleaved rounds (plain, dspark, fixed,
+plain, dspark, fixed, ...; the order rotates every round so no mode always runs first), each over
+the same prompts in groups of `batch` concurrent requests, with the engine's own step-cost profile
+(shared by all runs, taken once at start). A mode's figure per round is its total generated
+tokens over its wall time; the cell reports the median over rounds and the spread (min-max).
 
-Ends with: dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
+Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
+--prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
+Per cell it prints
+    cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z> dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t>
+and it ends with
+    dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,16 +38,8 @@ from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
 
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n",
-    "class Config:\n    def __init__(self, path):\n        self.path = path\n",
-    "    def __repr__(self):\n        return ",
-    "for i in range(len(items)):\n    if items[i] is None:\n",
-    "def _check_arg(name, value):\n    if not isinstance(value, str):\n        raise TypeError(",
-    "try:\n    import threading\nexcept ImportError:\n",
-    "    @property\n    def name(self):\n",
-    "        with open(filename, 'rb') as f:\n",
-]
+MODES = ("off", "dspark", "fixed")
+NAMES = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5"}
 
 
 def default_checkpoint() -> Path:
@@ -44,14 +47,11 @@ def default_checkpoint() -> Path:
     return tiny if (tiny / "config.json").exists() else REPO.parent / "shared" / "golden" / "v41-tiny"
 
 
-def heldout_prompts(tok, n: int, length: int = 64) -> list[list[int]] | None:
-    """Prompts cut from the embedded model's held-out corpus files (never trained on), or None
-    when the corpus is not available (another checkpoint's tokenizer is fine too)."""
+def heldout_prompts(tok, n: int, length: int = 48) -> list[list[int]] | None:
+    """Prompts cut at n evenly spaced places of the held-out corpus files, or None without it."""
     try:
         from v4flash_backend.training.corpus import load_corpus
-    except ImportError:
-        return None
-    try:
+
         _, held = load_corpus()
     except Exception:
         return None
@@ -62,94 +62,110 @@ def heldout_prompts(tok, n: int, length: int = 64) -> list[list[int]] | None:
     return [[0] + ids[i * step + 7:i * step + 7 + length] for i in range(n)]
 
 
-def prompts_for(ckpt: Path, model, n: int) -> list[list[int]]:
+def load_prompts(ckpt: Path, model, n: int, prompts_file: Path | None) -> tuple[list[list[int]], str]:
     cfg = model.cfg
-    tok_path = ckpt / "tokenizer.json"
-    if tok_path.exists() and (ckpt / "MODEL_CARD.md").exists():
+    tok = None
+    if (ckpt / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
-        held = heldout_prompts(Tokenizer.from_file(str(tok_path)), max(n, 6))
+        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    if prompts_file is not None:
+        texts = json.loads(prompts_file.read_text())
+        if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts):
+            raise SystemExit(f"{prompts_file}: expected a JSON list of non-empty strings")
+        if tok is None:
+            raise SystemExit(f"{ckpt} has no tokenizer.json to tokenize --prompts with")
+        return [[cfg.bos_token_id] + tok.encode(t, add_special_tokens=False).ids for t in texts], str(prompts_file)
+    if tok is not None and (ckpt / "MODEL_CARD.md").exists():
+        held = heldout_prompts(tok, n)
         if held is not None:
-            return held[:n]
-    if tok_path.exists():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_path))
-        ids = [[cfg.bos_token_id] + tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    else:
-        g = torch.Generator().manual_seed(0)
-        ids = [[cfg.bos_token_id] + torch.randint(3, cfg.vocab_size - 2, (24,), generator=g).tolist() for _ in PROMPTS]
-    return [ids[i % len(ids)] for i in range(n)]
+            return held, f"{n} held-out corpus prompts"
+    g = torch.Generator().manual_seed(0)
+    return ([[cfg.bos_token_id] + torch.randint(3, cfg.vocab_size - 2, (24,), generator=g).tolist() for _ in range(n)],
+            f"{n} random prompts")
 
 
-def run(model, mode: str, prompts, max_tokens: int, temp: float, sps) -> dict:
-    runner = LocalRunner(model, len(prompts) + 1, max(len(p) for p in prompts) + max_tokens + 16)
-    eng = Engine(runner, Settings(max_num_seqs=len(prompts), max_model_len=runner.state.max_len - 8,
+def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int) -> dict:
+    """All prompts in groups of `batch` concurrent requests; totals over the groups."""
+    tokens = seconds = 0.0
+    acc_v = acc_s = 0
+    for g0 in range(0, len(prompts), batch):
+        group = prompts[g0:g0 + batch]
+        runner = LocalRunner(model, len(group) + 1, max(len(p) for p in group) + max_tokens + 16)
+        eng = Engine(runner, Settings(max_num_seqs=len(group), max_model_len=runner.state.max_len - 8,
                                       spec_mode=mode))
-    if mode == "dspark":
-        eng.sps = sps
-    outs = {}
-    reqs = []
-    for i, p in enumerate(prompts):
-        r = GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=1000 + i, ignore_eos=True)
-        outs[r.id] = []
-        r.callback = outs[r.id].append
-        reqs.append(r)
-    t0 = time.perf_counter()
-    for r in reqs:
-        eng.submit(r)
-    while not all(v and v[-1].final for v in outs.values()):
-        eng.step()
-    dt = time.perf_counter() - t0
-    st = eng.stats()
-    toks = {rid: [t for e in ev for t in e.token_ids] for rid, ev in outs.items()}
-    return dict(tok_s=st["output_tokens"] / dt, tau=st["tau"], steps=st["steps"], acc=st["accept_rate_at"],
-                tokens=[toks[r.id] for r in reqs], seconds=dt)
+        eng.cost = cost
+        done = []
+        reqs = [GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=seed + g0 + i,
+                                ignore_eos=True, callback=lambda e, d=done: e.final and d.append(1))
+                for i, p in enumerate(group)]
+        t0 = time.perf_counter()
+        for r in reqs:
+            eng.submit(r)
+        while len(done) < len(reqs):
+            eng.step()
+        seconds += time.perf_counter() - t0
+        st = eng.stats()
+        tokens += st["output_tokens"]
+        acc_v += st["verify_rows"]
+        acc_s += st["accepted"]
+    return dict(tok_s=tokens / seconds, tau=(acc_s + acc_v) / acc_v if acc_v else 1.0)
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--prompts", type=Path, default=None, help="JSON list of prompt strings")
+    ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts when --prompts is not given")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     torch.set_num_threads(args.threads)
     ops.set_numerics("exact")
     ckpt = args.checkpoint or default_checkpoint()
     model = load_model(ckpt)
-    print(f"checkpoint {ckpt}  (dim {model.cfg.dim}, {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size})")
+    prompts, source = load_prompts(ckpt, model, args.num_prompts, args.prompts)
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
-    # profile SPS(B) once, up to the largest batch's verify size, and share it across runs
+    print(f"checkpoint {ckpt} (dim {model.cfg.dim}, {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}); "
+          f"{source}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}")
     prof = Engine(LocalRunner(model, max(batches) + 1, 512),
                   Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark"))
-    sps = prof.ensure_sps()
-    print(f"SPS table (steps/s of a B-token forward): {sps}")
+    cost = prof.ensure_cost()
+    print(f"step cost: {cost}")
+    print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None
-    print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s':>8} {'ratio':>6} {'tau':>5} {'steps':>5}  accept rate by position")
     for b in batches:
-        prompts = prompts_for(ckpt, model, b)
         for t in temps:
-            res = {m: run(model, m, prompts, args.max_tokens, t, sps) for m in ("off", "dspark", "fixed")}
-            base = res["off"]["tok_s"]
-            for m in ("off", "dspark", "fixed"):
-                r = res[m]
-                acc = " ".join(f"{a:.2f}" for a in r["acc"]) if m != "off" else "-"
-                name = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5"}[m]
-                print(f"{b:>5} {t:>4g} {name:>7} {r['tok_s']:8.1f} {r['tok_s'] / base:6.2f} {r['tau']:5.2f} "
-                      f"{r['steps']:>5}  {acc}")
-            if t == 0:
-                same = res["dspark"]["tokens"] == res["off"]["tokens"] == res["fixed"]["tokens"]
-                print(f"      greedy outputs identical across modes: {same}")
+            res = {m: [] for m in MODES}
+            for rnd in range(args.rounds):
+                order = MODES[rnd % 3:] + MODES[:rnd % 3]
+                for m in order:
+                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd))
+            med = {m: statistics.median(r["tok_s"] for r in res[m]) for m in MODES}
+            tau = statistics.median(r["tau"] for r in res["dspark"])
+            for m in MODES:
+                print(f"{b:>5} {t:>4g} {NAMES[m]:>7} {fmt([r['tok_s'] for r in res[m]]):>24} "
+                      f"{statistics.median(r['tau'] for r in res[m]):5.2f}")
+            print(f"cell: batch={b} temp={t:g} plain_tok_s={med['off']:.1f} dspark_tok_s={med['dspark']:.1f} "
+                  f"fixed_tok_s={med['fixed']:.1f} dspark_vs_plain={med['dspark'] / med['off']:.2f} "
+                  f"dspark_vs_fixed={med['dspark'] / med['fixed']:.2f} tau={tau:.2f}", flush=True)
             if b == 1 and t == 0:
-                final = (f"dspark: batch=1 temp=0 plain_tok_s={base:.1f} dspark_tok_s={res['dspark']['tok_s']:.1f} "
-                         f"speedup={res['dspark']['tok_s'] / base:.2f} tau={res['dspark']['tau']:.2f}")
+                final = (f"dspark: batch=1 temp=0 plain_tok_s={med['off']:.1f} dspark_tok_s={med['dspark']:.1f} "
+                         f"speedup={med['dspark'] / med['off']:.2f} tau={tau:.2f}")
     if final:
         print(final)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -89,8 +89,20 @@ class Settings:
         "dspark true/false is the same switch", scope="engine", choices=SPEC_MODES)
     fixed_len: int = setting(5, "drafts verified per step in spec_mode fixed", scope="engine", low=1)
     sps_path: str = setting(
-        "", "DSpark steps/s table: loaded if present, else profiled and saved; empty: profile at start",
+        "", "the engine's step-cost profile (forward by B tokens, draft stages by R requests): loaded if "
+        "present, else profiled and saved; empty: profile at start",
         scope="engine", path=True)
+    step_aside: bool = setting(
+        True, "skip the draft stages on steps where the expected gain of drafting (observed acceptance, "
+        "profiled step cost) does not pay for them; probe again every probe_every steps", scope="engine")
+    probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
+                               scope="engine", low=1)
+    calibration_online: bool = setting(
+        True, "keep the DSpark confidence head's calibration current from the acceptances observed "
+        "(per temperature regime)", scope="engine")
+    calibration_path: str = setting(
+        "", "STS calibration (temperature and shift per position) of the confidence head; empty: the "
+        "checkpoint's dspark_calibration.json if present", scope="engine", path=True)
     queue_timeout_s: float = setting(
         120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
         scope="engine", low=0.0)

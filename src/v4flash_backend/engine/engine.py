@@ -22,7 +22,10 @@ from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.settings import Settings
 
 from . import dspark_accept as acc
+from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed
+from .sampling import SamplingParams as _SP
+from .step_cost import StepCost, affine_checked, drafting_pays, expected_survivals, interleaved_medians
 from .sampling import SamplingParams, TorchSampler, make_generator
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
@@ -66,6 +69,7 @@ class _Seq:
     verify_steps: int = 0
     gen: torch.Generator | None = None
     draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
+    conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for that block
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
@@ -83,15 +87,17 @@ class Engine:
         if self.cfg.spec_mode != "off" and runner.drafter is None:
             self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
+        self.calib = OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online) if self.spec else None
         self.free = list(range(self.cfg.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[_Seq] = []
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
-        self.sps: SPSTable | None = None
+        self.cost: StepCost | None = None
+        self._skipped = 0  # consecutive steps whose drafts stepped aside
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
-                           accepted=0, steps=0, verify_rows=0)
+                           accepted=0, steps=0, verify_rows=0, draft_skipped=0, draft_probes=0)
         # per draft position j = 1..gamma: verify rows where draft j was admitted / accepted
         self.admitted_at = [0] * self.gamma
         self.accepted_at = [0] * self.gamma
@@ -99,6 +105,11 @@ class Engine:
     @property
     def spec(self) -> bool:
         return self.cfg.spec_mode != "off"
+
+    def _load_calibration(self) -> Calibration:
+        if self.cfg.calibration_path:
+            return Calibration.load(self.cfg.calibration_path, self.gamma)
+        return Calibration.for_checkpoint(self.cfg.checkpoint_dir, self.gamma)
 
     # ---- public API (thread-safe) -----------------------------------------------------------
     def validate(self, r: GenerateRequest) -> None:
@@ -146,6 +157,8 @@ class Engine:
                      slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
+        if self.calib is not None:
+            d.update(self.calib.stats())
         return d
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
@@ -167,21 +180,23 @@ class Engine:
             self.step()
         return events
 
-    # ---- SPS table -----------------------------------------------------------------------------
+    # ---- the step's cost -----------------------------------------------------------------------
     def warmup(self) -> None:
-        """Start-of-service work: profile (or load) the SPS table before the first request."""
+        """Start-of-service work: profile (or load) the step cost before the first request."""
         if self.cfg.spec_mode == "dspark":
-            self.ensure_sps()
+            self.ensure_cost()
 
-    def ensure_sps(self) -> SPSTable:
-        """Steps/s of a target forward of B tokens, profiled once on a scratch slot (or loaded)."""
-        if self.sps is not None:
-            return self.sps
+    def ensure_cost(self) -> StepCost:
+        """The target forward's steps/s by B tokens and the draft stages' seconds by R requests,
+        profiled once on a scratch slot (interleaved rounds, medians, affine check; step_cost.py),
+        or loaded from sps_path."""
+        if self.cost is not None:
+            return self.cost
         import os
 
         if self.cfg.sps_path and os.path.exists(self.cfg.sps_path):
-            self.sps = SPSTable.load(self.cfg.sps_path)
-            return self.sps
+            self.cost = StepCost.load(self.cfg.sps_path)
+            return self.cost
         scratch = self.runner.state.num_slots - 1
         top = self.cfg.max_num_seqs * (1 + self.gamma)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, top} & set(range(1, top + 1)) | {top})
@@ -190,11 +205,44 @@ class Engine:
             self.runner.reset_slot(scratch)
             self.runner.forward(torch.zeros(b, dtype=torch.long), [(scratch, 0, b)], torch.tensor([b - 1]), True)
 
-        self.sps = SPSTable.profile(fwd, sizes, repeats=2)
+        fwd_s, replaced = affine_checked(interleaved_medians(fwd, sizes, rounds=3))
+        # draft stages + host drafting work for R requests, on a scratch context of 8 positions
+        fwd(8)
+        self.runner.dspark([(scratch, torch.arange(8), torch.arange(8))], [])
+        d = self.runner.drafter
+
+        def draft(R: int):
+            out = self.runner.dspark([], [(scratch, 7, 3)] * R)
+            params = _SP.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
+            block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
+                                     params, self._sampler_for(R))
+            admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])), lambda B: torch.ones_like(B, dtype=torch.float64))
+
+        rs = sorted({1, 2, 4, 8, 16, 32, self.cfg.max_num_seqs} & set(range(1, self.cfg.max_num_seqs + 1)))
+        draft_s = interleaved_medians(draft, rs, rounds=3) if d is not None else {}
         self.runner.reset_slot(scratch)
+        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, replaced)
         if self.cfg.sps_path:
-            self.sps.save(self.cfg.sps_path)
-        return self.sps
+            self.cost.save(self.cfg.sps_path)
+        return self.cost
+
+    def _sampler_for(self, R: int):
+        return TorchSampler([make_generator(i) for i in range(R)])
+
+    def _drafting_decision(self, seqs: list[_Seq]) -> str:
+        """draft | probe | skip for this step (step_aside; see step_cost.drafting_pays). Uses only
+        acceptances observed in earlier steps, never this step's draws."""
+        if self.cfg.spec_mode != "dspark" or not self.cfg.step_aside:
+            return "draft"
+        surv = [expected_survivals(self.calib.acceptance_rates(regime(s.req.temperature))) for s in seqs]
+        if drafting_pays(self.ensure_cost(), surv)[0]:
+            self._skipped = 0
+            return "draft"
+        self._skipped += 1
+        if self._skipped >= self.cfg.probe_every:
+            self._skipped = 0
+            return "probe"
+        return "skip"
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -202,6 +250,8 @@ class Engine:
         self._admit_waiting()
         if not self.running:
             return
+        if self.cfg.spec_mode == "dspark" and self.cost is None:
+            self.ensure_cost()  # before the step's forward: profiling runs forwards of its own
         try:
             self._step_running()
         except Exception as e:  # a failed forward fails the requests in flight, not the server
@@ -293,6 +343,8 @@ class Engine:
                 for j in range(s.ell):
                     self.admitted_at[j] += 1
                     self.accepted_at[j] += int(res.accepted[i]) > j
+                if s.ell and s.conf_logits is not None:
+                    self.calib.observe(regime(s.req.temperature), s.conf_logits, s.ell, int(res.accepted[i]))
                 self.totals["admitted"] += s.ell
                 self.totals["accepted"] += int(res.accepted[i])
                 self.totals["verify_rows"] += 1
@@ -328,6 +380,13 @@ class Engine:
 
     # ---- DSpark drafting ---------------------------------------------------------------------
     def _draft(self, writes, seqs: list[_Seq]) -> None:
+        decision = self._drafting_decision(seqs) if seqs else "draft"
+        if decision == "skip":  # rings still take the committed rows: later drafts need that context
+            self.runner.dspark(writes, [])
+            for s in seqs:
+                s.draft, s.conf_logits, s.ell = None, None, 0
+            self.totals["draft_skipped"] += len(seqs)
+            return
         items = [(s.slot, s.n_cached - 1, s.tokens[s.n_cached]) for s in seqs]
         out = self.runner.dspark(writes, items)
         if not seqs:
@@ -338,17 +397,28 @@ class Engine:
                                  self._sampler(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
+        conf_logits = self._confidence_logits(out, block)
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
+        elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
+            ell = admit_fixed(len(seqs), 1, self.gamma)
+            self.totals["draft_probes"] += 1
         else:
-            c = torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1]))
-            ell = admit(c, self.ensure_sps())
+            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+            ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
         ell = torch.minimum(ell, room)
         for i, s in enumerate(seqs):
             s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
+            s.conf_logits = conf_logits[i].detach()
             s.ell = int(ell[i])
             s.drafted += self.gamma
         self.totals["drafted"] += self.gamma * len(seqs)
+
+    def _confidence_logits(self, out, block: acc.DraftBlock) -> torch.Tensor:
+        """The confidence head on each draft's predecessor (block.prev), never the draft itself: c_k
+        must not look at x_k, or admission would depend on the draws it gates (notes/dspark.md 5)."""
+        d = self.runner.drafter
+        return d.confidence(out.hidden, d.markov(block.prev)[1])
 
     def _block(self, seqs: list[_Seq]) -> acc.DraftBlock:
         """Stack the seqs' draft blocks; a seq without one gets a placeholder verified with ell 0."""

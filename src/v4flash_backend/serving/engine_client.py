@@ -78,7 +78,7 @@ class InProcessEngine:
         runner = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)
         self.engine = Engine(runner, settings)
         if self.engine.spec:
-            self.engine.ensure_sps()  # at load time, not in the first request's latency
+            self.engine.ensure_cost()  # at load time, not in the first request's latency
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="v4flash-engine", daemon=True)
         self._thread.start()

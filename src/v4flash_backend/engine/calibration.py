@@ -1,0 +1,277 @@
+"""Calibration of the DSpark confidence head: Sequential Temperature Scaling (STS), offline and online.
+
+The head predicts c_k = P(draft k accepted | drafts < k accepted) as sigmoid(logit_k); `admit` plans
+with the prefix survivals a_k = prod_{i<=k} c_i, so a head that is systematically under- or
+over-confident makes the scheduler stop too early or verify too much. STS (paper section 3.2.1;
+../shared/notes/dspark.md 1.3) fits one temperature per position, left to right: T_k is the value
+on a grid that minimises the expected calibration error of a_k = prod_{i<=k} c_i against the
+observed accepted-prefix indicator [accepted >= k + 1], with positions 0..k-1 already fixed.
+
+One addition, measured: a temperature alone only moves sigmoid(logit / T) towards or away from 1/2,
+so it cannot calibrate a head whose logits sit on the wrong side of 0 (the embedded model's head
+says c ~ 0.45 where 0.8 of the drafts are accepted). Each position therefore gets a temperature and
+a shift, c_k = sigmoid(logit_k / T_k + b_k) (Platt scaling), fitted by the same sequential search
+over a (T, b) grid; b = 0 is plain STS. Both keep the order of the logits at a position (T > 0), so
+AUROC is unchanged.
+
+Online: the engine observes every verified block (the logits the head produced, how many drafts
+were admitted, how many were accepted). `OnlineCalibrator` keeps a bounded window per temperature
+regime (greedy / sampled: acceptance differs between them) and refits every `refit_every` blocks.
+Position k is only observed in blocks that verified it (admitted > k), and those were admitted
+*because* the earlier survivals were high, so the online fit uses the conditional form: T_k
+calibrates sigmoid(logit_k / T_k) against [accepted > k] among blocks with admitted > k and
+accepted >= k (every earlier draft accepted). Calibrated conditionals make calibrated products.
+
+The fitted temperatures are stored beside the checkpoint (`dspark_calibration.json`, format below)
+and loaded by the engine; `python -m v4flash_backend.training.calibrate` fits them on held-out text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FILE_NAME = "dspark_calibration.json"
+FORMAT = "v4flash-dspark-calibration"
+REGIMES = ("greedy", "sampled")
+# log-spaced temperatures 0.1 .. 10 (a logit may need sharpening or flattening by up to 10x) and
+# shifts -6 .. 6 in the logit (c from 0.0025 to 0.9975 for a zero logit)
+T_GRID = torch.logspace(-1, 1, 41, dtype=torch.float64)
+B_GRID = torch.linspace(-6, 6, 61, dtype=torch.float64)
+
+
+def regime(temperature: float) -> str:
+    return "greedy" if temperature <= 0 else "sampled"
+
+
+def ece(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error with equal-width bins: sum_b |mean conf_b - mean label_b| * n_b / n."""
+    conf, label = conf.double().reshape(-1), label.double().reshape(-1)
+    if conf.numel() == 0:
+        return 0.0
+    idx = (conf * bins).long().clamp(0, bins - 1)
+    sc = torch.bincount(idx, conf, minlength=bins)
+    sl = torch.bincount(idx, label, minlength=bins)
+    return float((sc - sl).abs().sum() / conf.numel())
+
+
+def auroc(score: torch.Tensor, label: torch.Tensor) -> float:
+    """Area under the ROC curve (ties count one half); nan when one class is missing."""
+    score, label = score.double().reshape(-1), label.bool().reshape(-1)
+    pos, neg = score[label], score[~label]
+    if pos.numel() == 0 or neg.numel() == 0:
+        return float("nan")
+    s = torch.cat([pos, neg])
+    ranks = _average_ranks(s)
+    return float((ranks[: pos.numel()].sum() - pos.numel() * (pos.numel() + 1) / 2) / (pos.numel() * neg.numel()))
+
+
+def _average_ranks(x: torch.Tensor) -> torch.Tensor:
+    order = torch.argsort(x, stable=True)
+    xs = x[order]
+    ranks = torch.empty_like(x)
+    i = 0
+    n = x.numel()
+    while i < n:
+        j = i
+        while j + 1 < n and xs[j + 1] == xs[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def scaled(logits: torch.Tensor, params) -> torch.Tensor:
+    """c = sigmoid(logits / T_k + b_k); params: [(T_k, b_k)] per position (the last dim of logits)."""
+    p = torch.as_tensor(params, dtype=torch.float64).reshape(-1, 2)
+    return torch.sigmoid(logits.double() / p[:, 0] + p[:, 1])
+
+
+def survivals(logits: torch.Tensor, params) -> torch.Tensor:
+    """a [N, G] = cumprod_k sigmoid(logits[:, k] / T_k + b_k)."""
+    return torch.cumprod(scaled(logits, params), dim=1)
+
+
+IDENTITY = (1.0, 0.0)
+
+
+def nll(conf: torch.Tensor, label: torch.Tensor) -> float:
+    """Mean log loss of conf against a 0/1 label (a proper scoring rule)."""
+    c = conf.double().clamp(1e-9, 1 - 1e-9)
+    y = label.double()
+    return float(-(y * c.log() + (1 - y) * (1 - c).log()).mean())
+
+
+OBJECTIVES = ("ece", "nll")
+
+
+def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece") -> tuple[float, float]:
+    """The (T, b) of the grid whose score_fn(c) scores best against label: lowest ECE, or lowest log
+    loss (first on ties, scanning T from small to large, b from 0 outwards, so the identity wins a
+    flat objective)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    best, best_p = math.inf, IDENTITY
+    b_order = sorted(B_GRID.tolist(), key=abs)
+    for t in T_GRID.tolist():
+        for b in b_order:
+            c = score_fn(t, b)
+            e = ece(c, label, bins) if objective == "ece" else nll(c, label)
+            if e < best - 1e-12:
+                best, best_p = e, (t, b)
+    return best_p
+
+
+def prefix_labels(accepted: torch.Tensor, G: int) -> torch.Tensor:
+    """[N, G] indicator that drafts 0..k were all accepted (accepted >= k + 1)."""
+    return accepted.reshape(-1, 1) > torch.arange(G).reshape(1, -1)
+
+
+def fit_sts(logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
+            objective: str = "ece") -> list[tuple[float, float]]:
+    """Offline STS on fully verified blocks: logits [N, G] of the confidence head, accepted [N] the
+    number of accepted drafts (all G verified). Returns [(T_k, b_k)] for k = 0..G-1."""
+    N, G = logits.shape
+    labels = prefix_labels(accepted, G).double()
+    params: list[tuple[float, float]] = []
+    prev = torch.ones(N, dtype=torch.float64)
+    for k in range(G):
+        x = logits[:, k].double()
+        p = _grid_fit(lambda t, b: prev * torch.sigmoid(x / t + b), labels[:, k], bins, objective)
+        params.append(p)
+        prev = prev * torch.sigmoid(x / p[0] + p[1])
+    return params
+
+
+def fit_conditional(logits: torch.Tensor, admitted: torch.Tensor, accepted: torch.Tensor, G: int,
+                    current, min_rows: int = 24, bins: int = 10) -> list[tuple[float, float]]:
+    """The online fit (see the module docstring): per position, among blocks that verified k with
+    every earlier draft accepted, the (T_k, b_k) minimising the ECE of sigmoid(logit_k / T_k + b_k)
+    against [accepted > k]. Positions with fewer than `min_rows` such blocks keep their current values."""
+    params = [tuple(p) for p in current]
+    for k in range(G):
+        rows = (admitted > k) & (accepted >= k)
+        if int(rows.sum()) < min_rows:
+            continue
+        x = logits[rows, k].double()
+        params[k] = _grid_fit(lambda t, b: torch.sigmoid(x / t + b), (accepted[rows] > k).double(), bins)
+    return params
+
+
+@dataclass
+class Calibration:
+    """Per-regime (T_k, b_k) of the confidence head ((1, 0) everywhere = uncalibrated)."""
+
+    gamma: int
+    params: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    report: dict = field(default_factory=dict)  # how it was fitted (stored with the file)
+
+    def of(self, reg: str) -> list[tuple[float, float]]:
+        return self.params.get(reg) or [IDENTITY] * self.gamma
+
+    def confidence(self, logits: torch.Tensor, regimes: list[str]) -> torch.Tensor:
+        """c [R, G] = sigmoid(logits / T_k + b_k) with each row's regime."""
+        p = torch.tensor([self.of(r) for r in regimes], dtype=torch.float64).reshape(*logits.shape, 2)
+        return torch.sigmoid(logits.double() / p[..., 0] + p[..., 1]).float()
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "gamma": self.gamma,
+                "params": {r: [list(p) for p in v] for r, v in self.params.items()}, "report": self.report}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, gamma: int) -> "Calibration":
+        obj = json.loads(Path(path).read_text())
+        if obj.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file")
+        if obj.get("gamma") != gamma:
+            raise ValueError(f"{path}: calibrated for a block of {obj.get('gamma')} drafts, the model drafts {gamma}")
+        params = {}
+        for r, v in obj.get("params", {}).items():
+            if r not in REGIMES:
+                raise ValueError(f"{path}: unknown regime {r!r} (known: {', '.join(REGIMES)})")
+            ok = len(v) == gamma and all(len(p) == 2 and p[0] > 0 and all(map(math.isfinite, p)) for p in v)
+            if not ok:
+                raise ValueError(f"{path}: params[{r!r}] must be {gamma} pairs [T > 0, b]")
+            params[r] = [(float(p[0]), float(p[1])) for p in v]
+        return cls(gamma, params, obj.get("report", {}))
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_dir: str | Path | None, gamma: int) -> "Calibration":
+        """The checkpoint's dspark_calibration.json when present, else uncalibrated."""
+        if checkpoint_dir:
+            path = Path(checkpoint_dir) / FILE_NAME
+            if path.is_file():
+                return cls.load(path, gamma)
+        return cls(gamma)
+
+
+class OnlineCalibrator:
+    """Keeps `Calibration` current from the blocks the engine verifies: a bounded window per regime,
+    a refit every `refit_every` observed blocks (O(window x grid) work, a few ms on the tiny model).
+    Observations are kept also when refitting is off (`enabled` False): the offline fit reads them."""
+
+    def __init__(self, calibration: Calibration, window: int = 2048, refit_every: int = 256,
+                 enabled: bool = True):
+        self.cal = calibration
+        self.enabled = enabled
+        self.window = window
+        self.refit_every = refit_every
+        self._obs = {r: deque(maxlen=window) for r in REGIMES}
+        self._since = {r: 0 for r in REGIMES}
+        self.refits = {r: 0 for r in REGIMES}
+        self._rates: dict[str, list[float]] = {}
+        self._rates_key: dict[str, tuple] = {}
+
+    def observe(self, reg: str, logits: torch.Tensor, admitted: int, accepted: int) -> None:
+        """One verified block: the head's logits [G] for it, drafts admitted and accepted."""
+        if admitted <= 0:
+            return
+        self._obs[reg].append((logits.detach().double().reshape(-1), admitted, accepted))
+        self._since[reg] += 1
+        if self.enabled and self._since[reg] >= self.refit_every:
+            self.refit(reg)
+
+    def observations(self, reg: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [N, G], admitted [N], accepted [N]) of the window."""
+        obs = self._obs[reg]
+        if not obs:
+            G = self.cal.gamma
+            return torch.zeros(0, G, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return (torch.stack([o[0] for o in obs]), torch.tensor([o[1] for o in obs]), torch.tensor([o[2] for o in obs]))
+
+    def acceptance_rates(self, reg: str, min_rows: int = 8) -> list[float]:
+        """Observed conditional acceptance per position over the window (blocks that verified k with
+        every earlier draft accepted). A position with fewer than `min_rows` observations takes the
+        previous position's rate (1.0 for the first: no evidence yet means "try drafting")."""
+        key = (reg, len(self._obs[reg]), self._since[reg])
+        if self._rates_key.get(reg) == key:
+            return self._rates[reg]
+        _, adm, acc = self.observations(reg)
+        rates, prev = [], 1.0
+        for k in range(self.cal.gamma):
+            rows = (adm > k) & (acc >= k)
+            n = int(rows.sum())
+            prev = float((acc[rows] > k).double().mean()) if n >= min_rows else prev
+            rates.append(prev)
+        self._rates[reg], self._rates_key[reg] = rates, key
+        return rates
+
+    def refit(self, reg: str) -> None:
+        self._since[reg] = 0
+        logits, adm, acc = self.observations(reg)
+        if not len(adm):
+            return
+        self.cal.params[reg] = fit_conditional(logits, adm, acc, self.cal.gamma, self.cal.of(reg))
+        self.refits[reg] += 1
+
+    def stats(self) -> dict:
+        return {"calibration": {r: [[round(t, 4), round(b, 4)] for t, b in self.cal.of(r)] for r in REGIMES},
+                "calibration_refits": dict(self.refits)}

@@ -1,0 +1,146 @@
+"""What a decode step really costs, and whether drafting pays for itself at the current batch.
+
+A DSpark step is not only the target forward over B tokens: the draft stages run for the R
+requests that draft, and the host samples the Markov chain, runs the confidence head and admits.
+`StepCost` holds both, profiled on the engine's own runner:
+    t(B, R) = t_forward(B) + t_draft(R)        (t_draft(0) = 0: a step that does not draft)
+`admit` then plans with SPS(B) = 1 / t(B, R) for the step's R, so a draft's verify row is charged
+what the step pays for it, and `drafting_pays` compares the best expected rate with drafting
+against plain decoding before any draft is sampled (only past acceptance enters, so skipping a
+step's drafts is a decision independent of its draws: losslessness is untouched).
+
+Profiling is robust to a shared machine: sizes are measured in interleaved rounds (a burst of
+load hits every size, not one), each size keeps its median, and the forward times are checked
+against an affine model t = a + b * B fitted to the medians (Theil-Sen, robust to a stray point): a
+point off by more than 1.5x either way is replaced by the model, since a forward of B tokens has no reason to cost
+less than a smaller one or jump above the trend.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .dspark_sched import SPSTable
+
+FORMAT = "v4flash-step-cost"
+OUTLIER = 1.5
+
+
+def interleaved_medians(fn: Callable[[int], object], sizes: Sequence[int], rounds: int,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """Median seconds of fn(size), measured round-robin over sizes (one warm-up call each)."""
+    for b in sizes:
+        fn(int(b))
+    samples: dict[int, list[float]] = {int(b): [] for b in sizes}
+    for _ in range(rounds):
+        for b in sizes:
+            t0 = clock()
+            fn(int(b))
+            samples[int(b)].append(clock() - t0)
+    return {b: statistics.median(v) for b, v in samples.items()}
+
+
+def affine_checked(seconds: dict[int, float]) -> tuple[dict[int, float], list[int]]:
+    """Replace points off the affine trend a + b * B by more than OUTLIER x (see module doc). The
+    trend is a Theil-Sen fit (median of the pairwise slopes, then the median intercept), which one
+    burst of load cannot drag towards itself the way a least-squares line would."""
+    xs = sorted(seconds)
+    if len(xs) < 3:
+        return dict(seconds), []
+    slopes = [(seconds[b] - seconds[a]) / (b - a) for i, a in enumerate(xs) for b in xs[i + 1:]]
+    slope = statistics.median(slopes)
+    icept = statistics.median(seconds[b] - slope * b for b in xs)
+    out, fixed = {}, []
+    for b in xs:
+        model = max(icept + slope * b, 1e-9)
+        r = seconds[b] / model
+        if r > OUTLIER or r < 1 / OUTLIER:
+            out[b] = model
+            fixed.append(b)
+        else:
+            out[b] = seconds[b]
+    return out, fixed
+
+
+class StepCost:
+    def __init__(self, forward: SPSTable, draft_seconds: dict[int, float] | None = None, replaced=()):
+        self.forward = forward
+        self.draft_seconds = {int(k): float(v) for k, v in (draft_seconds or {}).items()}
+        self.replaced = list(replaced)  # sizes the affine check replaced (reported)
+
+    def t_draft(self, R: int) -> float:
+        """Seconds of the draft stages + host drafting work for R requests (floor bucket; 0 for R=0)."""
+        if R <= 0 or not self.draft_seconds:
+            return 0.0
+        keys = sorted(self.draft_seconds)
+        below = [k for k in keys if k <= R]
+        if not below:
+            return self.draft_seconds[keys[0]]
+        k = below[-1]
+        # past the largest profiled R, scale linearly (never more optimistic than the floor value)
+        return self.draft_seconds[k] * (R / k if R > keys[-1] else 1.0)
+
+    def t_forward(self, B) -> torch.Tensor | float:
+        return 1.0 / self.forward.lookup(B)
+
+    def sps_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """SPS(B) of a step that drafts for R requests, for `admit`."""
+        td = self.t_draft(R)
+        return lambda B: 1.0 / (1.0 / self.forward.lookup(B) + td)
+
+    # ---- persistence ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "forward": self.forward.to_dict(),
+                "draft_seconds": {str(k): v for k, v in sorted(self.draft_seconds.items())},
+                "replaced": self.replaced}
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "StepCost":
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("format") == SPSTable.FORMAT:  # a forward-only table (older files): no draft cost
+            return cls(SPSTable.from_dict(d))
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a step-cost file (format={d.get('format')!r})")
+        return cls(SPSTable.from_dict(d["forward"]), {int(k): v for k, v in d["draft_seconds"].items()},
+                   d.get("replaced", ()))
+
+    def __repr__(self) -> str:
+        return (f"StepCost(forward={self.forward}, draft_ms={ {k: round(v * 1e3, 2) for k, v in self.draft_seconds.items()} }"
+                f"{', replaced ' + str(self.replaced) if self.replaced else ''})")
+
+
+def expected_survivals(rates: Sequence[float]) -> list[float]:
+    """a_k = prod_{i<=k} r_i from per-position conditional acceptance rates."""
+    out, a = [], 1.0
+    for r in rates:
+        a *= r
+        out.append(a)
+    return out
+
+
+def drafting_pays(cost: StepCost, survivals_per_seq: list[list[float]], extra_tokens: int = 0) -> tuple[bool, int]:
+    """(draft this step?, the uniform draft length that looked best). Plain decoding commits R
+    tokens in t_forward(R + extra); drafting l per request commits sum_r (1 + a_r[:l].sum()) in
+    t_forward(R (1 + l) + extra) + t_draft(R)."""
+    R = len(survivals_per_seq)
+    if R == 0:
+        return False, 0
+    G = len(survivals_per_seq[0])
+    plain = R / float(cost.t_forward(R + extra_tokens))
+    best, best_l = plain, 0
+    for ell in range(1, G + 1):
+        tokens = sum(1 + sum(a[:ell]) for a in survivals_per_seq)
+        rate = tokens / (float(cost.t_forward(R * (1 + ell) + extra_tokens)) + cost.t_draft(R))
+        if rate > best:
+            best, best_l = rate, ell
+    return best_l > 0, best_l

@@ -1,0 +1,101 @@
+"""The real step cost (forward + draft stages + host work) and speculation that steps aside.
+
+Decisions are checked on hand-built costs (deterministic; a profile taken on a shared CI machine
+is not), the profile itself on its robustness rules, and the engine on the golden checkpoint,
+whose random drafts are almost never accepted: there DSpark must stop paying for draft stages,
+probe now and then, and stay lossless (greedy output equal to plain decoding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4flash_backend.engine.dspark_sched import SPSTable
+from v4flash_backend.engine.engine import Engine
+from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.engine.step_cost import (
+    StepCost,
+    affine_checked,
+    drafting_pays,
+    expected_survivals,
+    interleaved_medians,
+)
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
+
+
+def flat_cost(fwd_s=0.040, draft_s=0.010, top=64):
+    return StepCost(SPSTable(list(range(1, top + 1)), [1.0 / fwd_s] * top), {1: draft_s, 8: draft_s * 2})
+
+
+def test_drafting_pays_weighs_accepted_tokens_against_the_draft_stages():
+    cost = flat_cost()  # a flat forward: verifying more rows is free, the draft stages are not
+    assert drafting_pays(cost, [expected_survivals([0.9] * 5)]) == (True, 5)
+    # plain: 1 token / 40 ms; drafting: (1 + 0.1 + ...) / 50 ms < 1 / 40 ms
+    assert drafting_pays(cost, [expected_survivals([0.1] * 5)])[0] is False
+    # break-even: 1 / 40 ms vs (1 + a) / 50 ms -> a = 0.25
+    assert drafting_pays(cost, [[0.26] + [0.0] * 4])[0] and not drafting_pays(cost, [[0.24] + [0.0] * 4])[0]
+    # a steep forward (compute-bound, large batch) makes extra rows expensive
+    steep = StepCost(SPSTable([1, 8, 16, 48], [25.0, 20.0, 10.0, 3.0]), {8: 0.004})
+    assert drafting_pays(steep, [expected_survivals([0.5] * 5)] * 8)[0] is False
+    assert drafting_pays(flat_cost(), [])[0] is False
+
+
+def test_draft_cost_lookup_and_round_trip(tmp_path):
+    cost = StepCost(SPSTable([1, 4], [10.0, 8.0]), {1: 0.01, 4: 0.02, 8: 0.03}, replaced=[4])
+    assert [cost.t_draft(r) for r in (0, 1, 3, 4, 8, 16)] == [0.0, 0.01, 0.01, 0.02, 0.03, 0.06]
+    sps2 = cost.sps_for(2)(torch.tensor([4]))
+    assert float(sps2) == pytest.approx(1 / (1 / 8.0 + 0.01))
+    cost.save(tmp_path / "c.json")
+    back = StepCost.load(tmp_path / "c.json")
+    assert back.draft_seconds == cost.draft_seconds and back.forward.sps == cost.forward.sps
+    SPSTable([1, 2], [3.0, 2.0]).save(tmp_path / "old.json")  # a forward-only table still loads
+    assert StepCost.load(tmp_path / "old.json").t_draft(4) == 0.0
+
+
+def test_profile_is_interleaved_and_outliers_follow_the_affine_trend():
+    calls = []
+    clock_t = [0.0]
+
+    def fn(b):
+        calls.append(b)
+        # 1 ms + 1 ms per token, and one burst of load on the 3rd call of size 8
+        extra = 0.5 if (b == 8 and calls.count(8) == 3) else 0.0
+        clock_t[0] += 0.001 + 0.001 * b + extra
+
+    med = interleaved_medians(fn, [1, 8, 16], rounds=3, clock=lambda: clock_t[0])
+    assert calls == [1, 8, 16] + [1, 8, 16] * 3  # warm-up, then round-robin
+    assert med[8] == pytest.approx(0.009)  # the median ignores the burst
+    fixed, replaced = affine_checked({1: 0.002, 2: 0.003, 4: 0.005, 8: 0.05, 16: 0.017, 32: 0.033})
+    assert replaced == [8] and 0.005 < fixed[8] < 0.02
+
+
+def _engine(model, **kw):
+    return Engine(LocalRunner(model, 3, 200), Settings(max_num_seqs=2, max_model_len=200, spec_mode="dspark", **kw))
+
+
+def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny_model):
+    prompt = [0, 5, 6, 7, 8]
+    plain = [t for e in _engine(tiny_model, step_aside=False).run_request(
+        GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True)) for t in e.token_ids]
+    eng = _engine(tiny_model, probe_every=8)
+    eng.cost = flat_cost()  # deterministic decisions (the profile would be taken on a loaded machine)
+    ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True))
+    st = eng.stats()
+    assert [t for e in ev for t in e.token_ids] == plain
+    # the first blocks are drafted (no evidence yet), then the draft stages stop, probing every 8 steps
+    assert st["draft_skipped"] > 30 and st["draft_probes"] >= 3 and st["accept_rate_at"][0] < 0.25
+
+
+def test_engine_keeps_drafting_where_drafts_are_accepted():
+    from v4flash_backend import ops
+    from v4flash_backend.model.loading import load_model
+    from pathlib import Path
+
+    ops.set_numerics("exact")
+    model = load_model(Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny")
+    eng = _engine(model)
+    eng.cost = flat_cost()
+    ev = eng.run_request(GenerateRequest(prompt=[0, 263, 1180, 11, 437, 13], max_tokens=40, ignore_eos=True))
+    st = eng.stats()
+    assert st["draft_skipped"] == 0 and st["tau"] > 2.0 and len([t for e in ev for t in e.token_ids]) == 40
