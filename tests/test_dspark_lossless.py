@@ -31,6 +31,7 @@ from v4flash_backend.engine.sampling import (
     SamplingParams,
     TorchSampler,
     make_generator,
+    mask_stop_tokens,
     process_logits,
 )
 
@@ -103,11 +104,17 @@ def select_block(b, idx):
     return DraftBlock(b.tokens[idx], b.prev[idx], b.q_token[idx], b.z[idx])
 
 
-def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False):
+def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False,
+                    proc=None, pos0=0, raw_z=False):
     """Every outcome of one round for I independent batch instances of R requests (ctxs [I, R, 2]).
 
     Returns (inst, req, result, weight, ell) over rows (instance, branch, request): `weight` is the
-    probability of the branch (identical across the R rows of one branch)."""
+    probability of the branch (identical across the R rows of one branch).
+
+    proc(logits [N, V], pos [N]) -> logits: a logit processor of the target that depends on the output
+    position of the predicted token (min_tokens masking); the round starts at output position pos0.
+    It is applied to the draft through markov_draft's logit_fn and to the verify rows, the way the
+    engine does (Engine._draft_logit_fn / _process_target)."""
     I, R, _ = ctxs.shape
     V, G = toy.V, toy.G
     greedy = all(s.get("temperature", 1.0) == 0 for s in specs)
@@ -122,8 +129,14 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     ctx = ctxs[inst, req]
     params = rows_params(specs, req)
     sampler = ScriptSampler(cats=[scripts[(d // S ** req) % S, k] for k in range(G)]) if not greedy else ScriptSampler()
-    block = markov_draft(toy.base_U(ctx), ctx[:, 1], toy.bias, params, sampler)
+    logit_fn = None
+    if proc is not None:
+        logit_fn = lambda k, z: proc(z, torch.full((z.shape[0],), pos0 + k))  # noqa: E731
+    block = markov_draft(toy.base_U(ctx), ctx[:, 1], toy.bias, params, sampler, logit_fn=logit_fn)
     assert sampler.done()
+    if raw_z:  # NEGATIVE CONTROL: drafts drawn from the processed q, but block.z keeps the raw logits
+        raw = toy.base_U(ctx) + torch.stack([toy.bias(block.prev[:, k]) for k in range(G)], 1)
+        block = DraftBlock(block.tokens, block.prev, block.q_token, raw)
     w_row = sampler.weight if sampler.weight is not None else torch.ones(len(req), dtype=F64)
     w_branch = w_row.view(-1, R).prod(1)
     live = (w_branch > 0).nonzero().squeeze(1)  # drop impossible draft paths (top-k, greedy)
@@ -150,6 +163,9 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     script = (e // P ** r2) % P
     b2, ell2, ctx2 = select_block(block, src), ell[src], ctx[src]
     logits = toy.target_logits(ctx2, b2.tokens, ell2)
+    if proc is not None:
+        _, _, step, _ = verify_layout(ctx2[:, 1], b2.tokens, ell2)
+        logits = proc(logits, pos0 + step)
     vs = ScriptSampler() if greedy else ScriptSampler(berns=[pats[script // V]], cats=[script % V])
     res = verify(logits, b2, ell2, rows_params(specs, r2), vs)
     assert vs.done()
@@ -262,6 +278,74 @@ def test_enumeration_detects_negative_controls(control):
     kw = {"admit_fn": admit_no_early_stop} if control == "admit_no_early_stop" else {control: True}
     err, *_ = discrepancy_r1(SPECS["T1"], toy, **kw)
     assert err > CONTROL_MIN, (control, err)
+
+
+# ---- a position-dependent logit processor: min_tokens ------------------------------------------------
+MIN_TOKENS, STOP_ID = 2, 0  # token 0 plays EOS: masked at output positions 0 and 1
+
+
+def min_tokens_proc(logits, pos):
+    return mask_stop_tokens(logits, torch.full((logits.shape[0], 1), STOP_ID), pos < MIN_TOKENS)
+
+
+def discrepancy_min_tokens(spec, toy, **kw):
+    """Joint of the first M1 tokens from output position 0, composing rounds that start at positions
+    0, 1, 2 (from 2 on the mask is off, so one table serves every later position)."""
+    ctx_list = list(itertools.product(range(V1), repeat=2))
+    ctxs = torch.tensor(ctx_list).view(-1, 1, 2)
+    tables = {}
+    for pos0 in range(MIN_TOKENS + 1):
+        inst, _, res, weight, _ = enumerate_round(toy, ctxs, [spec], SPS1, proc=min_tokens_proc, pos0=pos0, **kw)
+        tables[pos0] = outcome_tables(inst, res, weight, len(ctx_list))
+    index = {c: i for i, c in enumerate(ctx_list)}
+    memo, tmemo = {}, {}
+
+    def got(ctx, pos, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        key = (ctx, min(pos, MIN_TOKENS), n)
+        if key not in memo:
+            J = torch.zeros([toy.V] * n, dtype=F64)
+            for s, p in tables[min(pos, MIN_TOKENS)][index[ctx]].items():
+                if len(s) >= n:
+                    J[s[:n]] += p
+                else:
+                    J[s] += p * got((ctx + s)[-2:], pos + len(s), n - len(s))
+            memo[key] = J
+        return memo[key]
+
+    def want(ctx, pos, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        key = (ctx, min(pos, MIN_TOKENS), n)
+        if key not in tmemo:
+            lg = min_tokens_proc(toy.tgt[ctx][None], torch.tensor([pos]))
+            p = process_logits(lg, rows_params([spec], torch.zeros(1, dtype=torch.long)))[0]
+            tmemo[key] = torch.stack([p[y] * want((ctx[1], y), pos + 1, n - 1) for y in range(toy.V)])
+        return tmemo[key]
+
+    err = max(float((got(c, 0, M1) - want(c, 0, M1)).abs().max()) for c in ctx_list)
+    masked = max(float(want(c, 0, M1)[STOP_ID].abs().max()) + float(want(c, 0, M1)[:, STOP_ID].abs().max())
+                 for c in ctx_list)
+    return err, masked
+
+
+@pytest.mark.parametrize("name", ["T1", "T0.7_topk3", "greedy"])
+def test_enumeration_min_tokens_equals_masked_target(name):
+    # The mask changes the target (token 0 impossible at positions 0, 1); DSpark's output must follow
+    # the masked target exactly, with drafts and verify rows processed alike.
+    toy = Toy(V1, G1, seed=0, conf_shift=1.0)
+    err, masked = discrepancy_min_tokens(SPECS[name], toy)
+    assert masked == 0.0  # the wanted joint really excludes token 0 at the first two positions
+    assert err <= EXACT_TOL, err
+
+
+def test_enumeration_min_tokens_detects_unprocessed_residual():
+    # NEGATIVE CONTROL: drafts drawn from the masked q, but the residual computed from raw draft logits
+    # (what a markov_draft that processed z only for sampling would do).
+    toy = Toy(V1, G1, seed=0, conf_shift=1.0)
+    err, _ = discrepancy_min_tokens(SPECS["T1"], toy, raw_z=True)
+    assert err > CONTROL_MIN, err
 
 
 class AppendixAToy(Toy):
