@@ -72,6 +72,10 @@ def _build_repository(root: Path) -> Path:
     config += 'parameters { key: "stats_interval_s", value: { string_value: "0.2" } }\n'
     (repo / "v4flash" / "config.pbtxt").write_text(config)
     shutil.copytree(REPO / "model_repository/v4flash_text", repo / "v4flash_text")
+    (repo / "trtllm_request" / "1").mkdir(parents=True)
+    (repo / "trtllm_request" / "1" / "model.py").symlink_to(REPO / "model_repository/trtllm_request/1/model.py")
+    shutil.copy(REPO / "model_repository/trtllm_request/config.pbtxt", repo / "trtllm_request")
+    shutil.copytree(REPO / "model_repository/v4flash_trtllm", repo / "v4flash_trtllm")
     return repo
 
 
@@ -500,14 +504,54 @@ def test_openai_frontend_vllm_format_requests_are_served_and_parsed(server, toke
     assert len(responses) == 1 or stream
 
 
-def test_trtllm_format_shapes_are_not_accepted_by_max_batch_size_0_models(server):
-    # _create_trtllm_generate_request sends [[value]] tensors (shape [1, 1]); a model with
-    # max_batch_size 0 and dims [1] is refused by Triton itself, before the model sees it. The
-    # frontend must be started with --backend vllm for these models (README, "Real clients").
-    inputs = {"text_input": np.array([[PROMPT_TEXT.encode()]], dtype=object), "stream": np.bool_([[True]]),
-              "max_tokens": np.int32([[N]])}
+def _trtllm_format_inputs(prompt, stream, max_tokens, stop=None, **fields):
+    """engine/utils/triton.py, _create_trtllm_generate_request, for a CreateCompletionRequest (its
+    echo_tensor_name is found because the model declares exclude_input_in_output)."""
+    req = dict(_COMPLETION_DEFAULTS, **fields)
+    inputs = {"text_input": np.array([[prompt.encode()]], dtype=object), "stream": np.bool_([[stream]]),
+              "max_tokens": np.int32([[max_tokens]])}
+    if stop:
+        inputs["stop_words"] = np.array([[s.encode() for s in ([stop] if isinstance(stop, str) else stop)]],
+                                        dtype=object)
+    if req["top_p"] is not None:
+        inputs["top_p"] = np.float32([[req["top_p"]]])
+    for k in ("frequency_penalty", "presence_penalty"):
+        if req[k] is not None:
+            inputs[k] = np.float32([[req[k]]])
+    if req["seed"] is not None:
+        inputs["seed"] = np.uint64([[req["seed"]]])
+    if req["temperature"] is not None:
+        inputs["temperature"] = np.float32([[req["temperature"]]])
+    if req["echo"] is not None:
+        inputs["exclude_input_in_output"] = np.bool_([[not req["echo"]]])
+    inputs["return_num_input_tokens"] = np.bool_([[True]])
+    inputs["return_num_output_tokens"] = np.bool_([[True]])
+    return inputs
+
+
+def test_trtllm_format_shapes_are_refused_by_v4flash_and_served_by_v4flash_trtllm(server, tokenizer):
+    # Triton refuses the [1, 1] tensors for a max_batch_size-0 model with dims [1] before the model
+    # sees them; the v4flash_trtllm ensemble declares them and maps them onto v4flash.
     with pytest.raises(Exception, match=r"unexpected shape for input '\w+' for model 'v4flash'"):
-        _raw_stream(server, "v4flash", inputs)
+        _raw_stream(server, "v4flash", _trtllm_format_inputs(PROMPT_TEXT, True, N, temperature=0, seed=1))
+    want = _grpc(server, model="v4flash", prompt=PROMPT_TEXT, max_tokens=N, ignore_eos=False)
+    want_text = "".join(c.text for c in want)
+    for stream in (True, False):
+        responses = _raw_stream(server, "v4flash_trtllm",
+                                _trtllm_format_inputs(PROMPT_TEXT, stream, N, temperature=0, seed=1))
+        text, prompt_tokens, completion_tokens, _ = _frontend_parse(responses)
+        assert text == want_text and completion_tokens == sum(c.num_output_tokens for c in want)
+        assert prompt_tokens == len(tokenizer.encode(PROMPT_TEXT).ids)
+        assert len(responses) == 1 or stream
+    # stop_words [[...]]: the text before the first stop string, finish_reason stop
+    stop = want_text[len(want_text) // 2:len(want_text) // 2 + 2]
+    responses = _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, stop=[stop],
+                                                                            temperature=0))
+    assert _frontend_parse(responses)[0] == want_text[:want_text.find(stop)]
+    assert responses[-1]["finish_reason"].reshape(-1)[0].decode() == "stop"
+    # a non-zero penalty is refused clearly, not ignored
+    with pytest.raises(Exception, match="frequency_penalty is not supported"):
+        _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, frequency_penalty=0.5))
 
 
 def test_sampling_values_as_strings_and_min_tokens_over_the_server(server):
