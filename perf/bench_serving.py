@@ -15,7 +15,8 @@ Ends with
   serving: triton_vs_engine=<x> conc8_vs_conc1=<y> engine_b8_vs_b1=<z>
 x: v4flash gRPC streaming tokens/s over the in-process engine's at concurrency 1; y: v4flash total
 tokens/s at concurrency 8 over concurrency 1; z: the same ratio for the in-process engine (medians
-over rounds). Numbers on a shared CPU move with the load: the ratios come from one interleaved run.
+of the per-round ratios: the runs of one round are back to back, so a shared machine's drifting
+load cancels better than in ratios of medians).
 
   .venv/bin/python perf/bench_serving.py [--rounds 3] [--prompts 16] [--max-tokens 32] [--grpc-port P]
 """
@@ -258,12 +259,19 @@ def main(argv=None) -> int:
     for (m, c), v in res.items():
         print(f"{m:>12} {c:>4} {med[m, c]:12.2f} {min(v):7.2f}-{max(v):<7.2f}")
     lo, hi = concs[0], concs[-1]
-    x = med["v4flash", lo] / med["engine", lo]
-    y = med["v4flash", hi] / med["v4flash", lo]
-    z = med["engine", hi] / med["engine", lo]
-    print(f"(rank-group / engine at {lo}: {med['rank-group', lo] / med['engine', lo]:.2f}; "
-          f"v4flash_text / engine at {lo}: {med['v4flash_text', lo] / med['engine', lo]:.2f}; "
-          f"v4flash_text {hi} vs {lo}: {med['v4flash_text', hi] / med['v4flash_text', lo]:.2f})")
+    # The ratios pair the runs of one round (the load of a shared machine drifts between rounds;
+    # within a round every mode runs once, back to back): medians of the per-round ratios.
+    def ratio(a, b):
+        return statistics.median(p / q for p, q in zip(res[a], res[b]))
+
+    x = ratio(("v4flash", lo), ("engine", lo))
+    y = ratio(("v4flash", hi), ("v4flash", lo))
+    z = ratio(("engine", hi), ("engine", lo))
+    print(f"per-round ratios (median): rank-group/engine at {lo} {ratio(('rank-group', lo), ('engine', lo)):.2f}; "
+          f"v4flash_text/engine at {lo} {ratio(('v4flash_text', lo), ('engine', lo)):.2f}; "
+          f"v4flash_text {hi} vs {lo} {ratio(('v4flash_text', hi), ('v4flash_text', lo)):.2f}; "
+          f"rank-group {hi} vs {lo} {ratio(('rank-group', hi), ('rank-group', lo)):.2f}; load average now "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"serving: triton_vs_engine={x:.2f} conc8_vs_conc1={y:.2f} engine_b8_vs_b1={z:.2f}")
     return 0
 
