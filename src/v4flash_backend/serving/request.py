@@ -1,10 +1,13 @@
 """Parsing and validating one `v4flash` request (numpy inputs -> `GenerateRequest`).
 
-Inputs (config.pbtxt of model_repository/v4flash; exactly one of the first two):
+Inputs (config.pbtxt of model_repository/v4flash, declared in serving/triton_io.py; exactly one
+of the first two):
   input_ids INT32 [-1] | text_input STRING [1]
   stream BOOL [1], exclude_input_in_output BOOL [1], sampling_parameters STRING [1] (JSON)
   max_tokens INT32 [1], temperature FP32 [1], top_p FP32 [1], top_k INT32 [1],
-  seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1]
+  seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1], min_tokens INT32 [1]
+  stop_words STRING [-1], frequency_penalty / presence_penalty FP32 [1] (0 only): TRT-LLM names
+  return_{finish_reason,cumulative_logprob,logprobs,num_input_tokens,num_output_tokens} BOOL [1]
 
 Sampling values come from, highest priority first: the typed inputs, the
 ``sampling_parameters`` JSON object (vllm_backend's name and format), then the request
