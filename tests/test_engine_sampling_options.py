@@ -118,3 +118,17 @@ def test_no_logprobs_unless_asked(tiny_model):
     _, ev = _run(tiny_model, "dspark", prompt=PROMPT, max_tokens=6, ignore_eos=True)
     assert all(e.logprobs is None for e in ev)
     assert "logprobs" not in ev[-1].to_wire()
+
+
+@pytest.mark.parametrize("mode", ["dspark", "off"])
+def test_min_tokens_boundary_is_exact(tiny_model, mode):
+    # The stop id first appears at output position k of the free greedy run: min_tokens = k lets it
+    # be generated there (the request stops with k + 1 tokens); min_tokens = k + 1 masks position k.
+    # An off-by-one in the positions given to the mask (verify rows or draft slots) fails one side.
+    free, _ = _run(tiny_model, "off", prompt=PROMPT, max_tokens=24, ignore_eos=True)
+    k = next(j for j in range(3, 24) if free[j] not in free[:j])
+    kw = dict(prompt=PROMPT, max_tokens=24, ignore_eos=True, stop_token_ids=(free[k],))
+    out, ev = _run(tiny_model, mode, min_tokens=k, **kw)
+    assert out == free[:k + 1] and ev[-1].finish_reason == "stop"
+    out, _ = _run(tiny_model, mode, min_tokens=k + 1, **kw)
+    assert out[:k] == free[:k] and out[k] != free[k]
