@@ -30,6 +30,7 @@ from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_no_early_
 from v4flash_backend.engine.sampling import (
     SamplingParams,
     TorchSampler,
+    apply_penalties,
     make_generator,
     mask_stop_tokens,
     process_logits,
@@ -105,7 +106,7 @@ def select_block(b, idx):
 
 
 def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False,
-                    proc=None, pos0=0, raw_z=False):
+                    proc=None, pos0=0, raw_z=False, hist_counts=None, verify_ignores_drafts=False):
     """Every outcome of one round for I independent batch instances of R requests (ctxs [I, R, 2]).
 
     Returns (inst, req, result, weight, ell) over rows (instance, branch, request): `weight` is the
@@ -114,7 +115,9 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     proc(logits [N, V], pos [N]) -> logits: a logit processor of the target that depends on the output
     position of the predicted token (min_tokens masking); the round starts at output position pos0.
     It is applied to the draft through markov_draft's logit_fn and to the verify rows, the way the
-    engine does (Engine._draft_logit_fn / _process_target)."""
+    engine does (Engine._draft_logit_fn / _process_target). With hist_counts [I, V] (the generated
+    tokens before the round, per instance) proc also gets each row's counts: history plus the drafts
+    before the row (penalties)."""
     I, R, _ = ctxs.shape
     V, G = toy.V, toy.G
     greedy = all(s.get("temperature", 1.0) == 0 for s in specs)
@@ -131,7 +134,11 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     sampler = ScriptSampler(cats=[scripts[(d // S ** req) % S, k] for k in range(G)]) if not greedy else ScriptSampler()
     logit_fn = None
     if proc is not None:
-        logit_fn = lambda k, z: proc(z, torch.full((z.shape[0],), pos0 + k))  # noqa: E731
+        base = hist_counts[inst] if hist_counts is not None else torch.zeros(len(inst), V, dtype=F64)
+
+        def logit_fn(k, z, drafted):
+            counts = base + torch.nn.functional.one_hot(drafted, V).sum(1).to(F64)
+            return proc(z, torch.full((z.shape[0],), pos0 + k), counts)
     block = markov_draft(toy.base_U(ctx), ctx[:, 1], toy.bias, params, sampler, logit_fn=logit_fn)
     assert sampler.done()
     if raw_z:  # NEGATIVE CONTROL: drafts drawn from the processed q, but block.z keeps the raw logits
@@ -164,8 +171,12 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     b2, ell2, ctx2 = select_block(block, src), ell[src], ctx[src]
     logits = toy.target_logits(ctx2, b2.tokens, ell2)
     if proc is not None:
-        _, _, step, _ = verify_layout(ctx2[:, 1], b2.tokens, ell2)
-        logits = proc(logits, pos0 + step)
+        _, lreq, step, _ = verify_layout(ctx2[:, 1], b2.tokens, ell2)
+        base = hist_counts[inst[src]] if hist_counts is not None else torch.zeros(len(src), V, dtype=F64)
+        cum = torch.cat([torch.zeros(len(src), 1, V, dtype=F64),
+                         torch.nn.functional.one_hot(b2.tokens, V).to(F64).cumsum(1)], 1)  # [N, G+1, V]
+        counts = base[lreq] + (0 if verify_ignores_drafts else cum[lreq, step])
+        logits = proc(logits, pos0 + step, counts)
     vs = ScriptSampler() if greedy else ScriptSampler(berns=[pats[script // V]], cats=[script % V])
     res = verify(logits, b2, ell2, rows_params(specs, r2), vs)
     assert vs.done()
@@ -284,7 +295,7 @@ def test_enumeration_detects_negative_controls(control):
 MIN_TOKENS, STOP_ID = 2, 0  # token 0 plays EOS: masked at output positions 0 and 1
 
 
-def min_tokens_proc(logits, pos):
+def min_tokens_proc(logits, pos, counts=None):
     return mask_stop_tokens(logits, torch.full((logits.shape[0], 1), STOP_ID), pos < MIN_TOKENS)
 
 
@@ -346,6 +357,79 @@ def test_enumeration_min_tokens_detects_unprocessed_residual():
     toy = Toy(V1, G1, seed=0, conf_shift=1.0)
     err, _ = discrepancy_min_tokens(SPECS["T1"], toy, raw_z=True)
     assert err > CONTROL_MIN, err
+
+
+# ---- a history-dependent logit processor: frequency / presence penalties --------------------------
+V2, G2, M2 = 4, 2, 3  # M2 = G2 + 1 tokens: a full round and what follows shorter rounds
+PEN_F, PEN_P = 0.8, 0.5
+
+
+def penalty_proc(logits, pos, counts):
+    n = logits.shape[0]
+    return apply_penalties(logits, counts, torch.full((n,), PEN_F, dtype=F64), torch.full((n,), PEN_P, dtype=F64))
+
+
+def discrepancy_penalties(spec, toy, starts, sps, **kw):
+    """Joint of the first M2 tokens after each start context under the penalised target. A round's
+    distribution depends on everything generated before it, so one instance per (start, history)
+    with len(history) < M2, all enumerated in one batch; rounds are composed over histories."""
+    states = [(c0, h) for c0 in starts for n in range(M2) for h in itertools.product(range(V2), repeat=n)]
+    ctxs = torch.tensor([list((c0 + h)[-2:]) for c0, h in states]).view(-1, 1, 2)
+    hist = torch.stack([torch.bincount(torch.tensor(h, dtype=torch.long), minlength=V2).to(F64) for _, h in states])
+    inst, _, res, weight, ell = enumerate_round(toy, ctxs, [spec], sps, proc=penalty_proc, hist_counts=hist, **kw)
+    tables = outcome_tables(inst, res, weight, len(states))
+    index = {st: i for i, st in enumerate(states)}
+    params = rows_params([spec], torch.zeros(1, dtype=torch.long))
+    memo = {}
+
+    def got(c0, h, n):
+        J = torch.zeros([V2] * n, dtype=F64)
+        for s_, p in tables[index[c0, h]].items():
+            if len(s_) >= n:
+                J[s_[:n]] += p
+            else:
+                J[s_] += p * got(c0, h + s_, n - len(s_))
+        return J
+
+    def want(c0, h, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        if (c0, h) not in memo:
+            ctx = (c0 + h)[-2:]
+            lg = penalty_proc(toy.tgt[ctx][None], None, hist[index[c0, h]][None])
+            memo[c0, h] = process_logits(lg, params)[0]
+        p = memo[c0, h]
+        return torch.stack([p[y] * want(c0, h + (y,), n - 1) for y in range(V2)])
+
+    err = max(float((got(c0, (), M2) - want(c0, (), M2)).abs().max()) for c0 in starts)
+    # the penalty really moves the target: compare with the unpenalised joint of one start
+    c0 = starts[0]
+    plain = target_joint(toy, spec, [c0], M2)[c0]
+    moved = float((want(c0, (), M2) - plain).abs().max())
+    ell_mass = torch.zeros(G2 + 1, dtype=F64).scatter_add_(0, ell, weight) / len(states)
+    return err, moved, ell_mass
+
+
+PEN_STARTS = [(0, 1), (2, 3), (1, 1)]
+PEN_SPS = SPSTable([1, 2, 3], [1.0, 0.65, 0.5])
+
+
+@pytest.mark.parametrize("name", ["T1", "T0.7_topk3", "greedy"])
+def test_enumeration_penalties_equal_penalised_target(name):
+    toy = Toy(V2, G2, seed=2, conf_shift=0.5)
+    err, moved, ell_mass = discrepancy_penalties(SPECS[name], toy, PEN_STARTS, PEN_SPS)
+    assert moved > 0.01 or name == "greedy"  # the penalised target differs from the plain one
+    assert err <= EXACT_TOL, err
+    assert bool((ell_mass > 0.01).all()) or name == "greedy", ell_mass  # drafts admitted 0..gamma
+
+
+@pytest.mark.parametrize("control", ["verify_ignores_drafts", "raw_z"])
+def test_enumeration_penalties_detect_wrong_wiring(control):
+    # NEGATIVE CONTROLS: verify rows penalised for the committed history only (not the drafts before
+    # them), or the residual taken from unpenalised draft logits.
+    toy = Toy(V2, G2, seed=2, conf_shift=0.5)
+    err, _, _ = discrepancy_penalties(SPECS["T1"], toy, PEN_STARTS, PEN_SPS, **{control: True})
+    assert err > CONTROL_MIN, (control, err)
 
 
 class AppendixAToy(Toy):

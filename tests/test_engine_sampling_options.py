@@ -132,3 +132,39 @@ def test_min_tokens_boundary_is_exact(tiny_model, mode):
     assert out == free[:k + 1] and ev[-1].finish_reason == "stop"
     out, _ = _run(tiny_model, mode, min_tokens=k + 1, **kw)
     assert out[:k] == free[:k] and out[k] != free[k]
+
+
+def _embedded_prompt():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(EMBEDDED / "tokenizer.json")).encode("import os\n\ndef main(").ids
+
+
+def test_penalties_greedy_dspark_equals_plain_and_changes_the_output(embedded_model):
+    prompt = _embedded_prompt()
+    kw = dict(prompt=prompt, max_tokens=32, ignore_eos=True)
+    free, _ = _run(embedded_model, "off", **kw)
+    for pen in (dict(frequency_penalty=1.5), dict(presence_penalty=1.0), dict(frequency_penalty=-0.5)):
+        plain, _ = _run(embedded_model, "off", **kw, **pen)
+        spec, ev = _run(embedded_model, "fixed", **kw, **pen)
+        assert spec == plain, pen  # drafts and verify rows use the same penalised logits
+        assert ev[-1].accepted > 0, pen
+        if pen.get("frequency_penalty", 0) > 0 or pen.get("presence_penalty", 0) > 0:
+            assert plain != free, pen
+
+
+def test_penalised_logprobs_are_the_processed_target(embedded_model):
+    from v4flash_backend.engine.sampling import apply_penalties
+
+    prompt = _embedded_prompt()
+    out, ev = _run(embedded_model, "fixed", prompt=prompt, max_tokens=20, ignore_eos=True, temperature=0.9,
+                   top_k=50, seed=5, logprobs=0, frequency_penalty=0.7, presence_penalty=0.4)
+    lps = [x[0] for e in ev if e.logprobs for x in e.logprobs]
+    lg = _teacher_forced_logits(embedded_model, prompt, out)  # fp32, penalised in fp32 as the engine does
+    V = lg.shape[1]
+    counts = torch.stack([torch.bincount(torch.tensor(out[:j], dtype=torch.long), minlength=V).double()
+                          for j in range(len(out))])
+    pen = apply_penalties(lg, counts, torch.full((len(out),), 0.7), torch.full((len(out),), 0.4))
+    want = torch.log(process_logits(pen.double(), SamplingParams.make(len(out), 0.9, 50, 1.0)))
+    for j, lp in enumerate(lps):
+        assert lp == pytest.approx(float(want[j, out[j]]), abs=1e-9), j  # as in the test above

@@ -128,7 +128,8 @@ def test_sampling_priority_typed_over_json_over_request_parameters():
     assert r.top_k == 0  # vLLM's -1 (disabled) is the engine's 0
     assert r.seed == 2**64 - 1 and r.stop_token_ids == (7, 8)
     assert r.sampling() == dict(max_tokens=5, temperature=0.25, top_p=0.5, top_k=0, seed=2**64 - 1,
-                                stop_token_ids=[7, 8], ignore_eos=False, min_tokens=0, logprobs=-1)
+                                stop_token_ids=[7, 8], ignore_eos=False, min_tokens=0, logprobs=-1,
+                                frequency_penalty=0.0, presence_penalty=0.0)
 
 
 @pytest.mark.parametrize("inputs, match", [
@@ -194,8 +195,9 @@ def test_sampling_values_as_strings_convert_by_type_as_vllm_backend_does():
     ({"stop": [1]}, "sampling_parameters.stop must be a string or a list of strings"),
     ({"max_tokens": 7, "min_tokens": 8}, r"min_tokens must be in \[0, max_tokens=7\], got 8"),
     ({"min_tokens": -1}, r"min_tokens must be in \[0, max_tokens=\d+\], got -1"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-    ({"presence_penalty": "-1"}, "presence_penalty is not supported"),
+    ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2, 2\], got 2.5"),
+    ({"presence_penalty": "-3"}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": "lots"}, "presence_penalty must be a number"),
     ({"n": 2}, "n must be 1"),
     ({"logit_bias": {"5": 3}}, "logit_bias is not supported"),
     ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
@@ -224,6 +226,8 @@ def test_openai_frontend_defaults_and_return_flags_are_accepted():
     r = parser().parse({"input_ids": i32(1), "stop_words": np.array([b"\n\n", "ö".encode()], dtype=object),
                         "frequency_penalty": np.array([0.0], dtype=np.float32)})
     assert r.stop == ("\n\n", "ö")
+    r = _parse_json({"frequency_penalty": "0.5", "presence_penalty": -1})
+    assert (r.frequency_penalty, r.presence_penalty) == (0.5, -1.0)
 
 
 def test_text_input_needs_a_tokenizer_and_text():

@@ -549,9 +549,12 @@ def test_trtllm_format_shapes_are_refused_by_v4flash_and_served_by_v4flash_trtll
                                                                             temperature=0))
     assert _frontend_parse(responses)[0] == want_text[:want_text.find(stop)]
     assert responses[-1]["finish_reason"].reshape(-1)[0].decode() == "stop"
-    # a non-zero penalty is refused clearly, not ignored
-    with pytest.raises(Exception, match="frequency_penalty is not supported"):
-        _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, frequency_penalty=0.5))
+    # penalties reach the engine (a strong one changes the greedy text); out of range is INVALID_ARG
+    responses = _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, temperature=0,
+                                                                            frequency_penalty=2.0))
+    assert _frontend_parse(responses)[2] == N
+    with pytest.raises(Exception, match=r"frequency_penalty must be in \[-2, 2\]"):
+        _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, frequency_penalty=2.5))
 
 
 def test_sampling_values_as_strings_and_min_tokens_over_the_server(server):

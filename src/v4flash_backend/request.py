@@ -55,6 +55,10 @@ class GenerateRequest:
     # vLLM's min_tokens: EOS and stop_token_ids are masked out of the distribution (target and
     # drafts alike) until this many tokens have been generated.
     min_tokens: int = _wire(0, "int")
+    # OpenAI / vLLM penalties on the generated tokens so far (logits -= frequency * count +
+    # presence * [count > 0]), applied to target and drafts alike (engine.sampling.apply_penalties).
+    frequency_penalty: float = _wire(0.0, "float")
+    presence_penalty: float = _wire(0.0, "float")
     # Log-probabilities of the generated tokens (vllm_backend's return_logprobs /
     # return_cumulative_logprob): -1 none; n >= 0 the sampled token's plus the n most likely.
     logprobs: int = _wire(-1, "int")

@@ -23,7 +23,8 @@ from v4flash_backend.settings import Settings
 
 from . import dspark_accept as acc
 from .dspark_sched import SPSTable, admit, admit_fixed
-from .sampling import SamplingParams, TorchSampler, make_generator, mask_stop_tokens, token_logprobs
+from .sampling import (SamplingParams, TorchSampler, apply_penalties, make_generator, mask_stop_tokens,
+                       token_logprobs)
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
 
@@ -387,24 +388,59 @@ class Engine:
     # ---- logit processing shared by drafts and verification ---------------------------------------
     def _process_target(self, logits: torch.Tensor, seqs: list[_Seq], positions: list[list[int]]) -> torch.Tensor:
         """The target's logit processors on verify rows: request i's rows predict its output tokens
-        positions[i] (rows in request order). The draft slots that predict the same positions go
+        positions[i] (rows in request order); row j of a decoding request follows its committed
+        output and its first j admitted drafts. The draft slots that predict the same positions go
         through the same function (_draft_logit_fn), which keeps DSpark lossless under them."""
-        if not any(s.req.min_tokens for s in seqs):
+        if not self._processed(seqs):
             return logits
         counts = [len(p) for p in positions]
-        stop = self._stop_ids(seqs).repeat_interleave(torch.tensor(counts), 0)
-        active = torch.tensor([pos < s.req.min_tokens for s, ps in zip(seqs, positions) for pos in ps])
-        return mask_stop_tokens(logits, stop, active)
+        if any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs):
+            rows = []
+            for s, ps in zip(seqs, positions):
+                base = self._output_counts(s)
+                drafts = s.draft[0][: len(ps) - 1] if len(ps) > 1 else torch.zeros(0, dtype=torch.long)
+                before = torch.nn.functional.one_hot(drafts, base.shape[0]).cumsum(0).to(base.dtype)
+                rows.append(torch.cat([base.unsqueeze(0), base + before], 0)[: len(ps)])
+            rep = torch.tensor(counts)
+            logits = apply_penalties(logits, torch.cat(rows, 0),
+                                     torch.tensor([s.req.frequency_penalty for s in seqs]).repeat_interleave(rep),
+                                     torch.tensor([s.req.presence_penalty for s in seqs]).repeat_interleave(rep))
+        if any(s.req.min_tokens for s in seqs):
+            stop = self._stop_ids(seqs).repeat_interleave(torch.tensor(counts), 0)
+            active = torch.tensor([pos < s.req.min_tokens for s, ps in zip(seqs, positions) for pos in ps])
+            logits = mask_stop_tokens(logits, stop, active)
+        return logits
 
     def _draft_logit_fn(self, seqs: list[_Seq]):
-        """Draft slot k of request i predicts its output token n_out + k: the same processors as
-        the verify row that will check it (None when no request needs any)."""
-        if not any(s.req.min_tokens for s in seqs):
+        """Draft slot k of request i predicts its output token n_out + k after its committed output
+        and drafts x_1..x_k: the same processors as the verify row that will check it (None when no
+        request needs any)."""
+        if not self._processed(seqs):
             return None
         stop = self._stop_ids(seqs)
         n_out = torch.tensor([s.n_out for s in seqs])
         min_tokens = torch.tensor([s.req.min_tokens for s in seqs])
-        return lambda k, z: mask_stop_tokens(z, stop, n_out + k < min_tokens)
+        penalised = any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+        base = torch.stack([self._output_counts(s) for s in seqs]) if penalised else None
+        freq = torch.tensor([s.req.frequency_penalty for s in seqs])
+        pres = torch.tensor([s.req.presence_penalty for s in seqs])
+
+        def fn(k, z, drafted):
+            if penalised:
+                counts = base + torch.nn.functional.one_hot(drafted, base.shape[1]).sum(1).to(base.dtype)
+                z = apply_penalties(z, counts, freq, pres)
+            return mask_stop_tokens(z, stop, n_out + k < min_tokens)
+
+        return fn
+
+    @staticmethod
+    def _processed(seqs: list[_Seq]) -> bool:
+        return any(s.req.min_tokens or s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+
+    def _output_counts(self, s: _Seq) -> torch.Tensor:
+        """[V] how often each id occurs in the request's generated tokens (the prompt does not count)."""
+        out = torch.tensor(s.tokens[len(s.req.prompt):], dtype=torch.long)
+        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(torch.float64)
 
     def _logprobs(self, s: _Seq, logits: torch.Tensor, tokens: list[int]) -> list | None:
         """[logprob, rank, top alternatives] of each committed token under the (processed) target row

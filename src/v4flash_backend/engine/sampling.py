@@ -248,6 +248,17 @@ def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch
     return logits.masked_fill(hit, float("-inf"))
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI / vLLM frequency and presence penalties: logits - frequency * count - presence *
+    [count > 0], per row; counts [N, V] are the row's generated-token counts so far (the prompt does
+    not count), frequency / presence [N]. Before temperature / top-k / top-p, as vLLM applies them."""
+    f = frequency.to(logits.device, logits.dtype).unsqueeze(1)
+    p = presence.to(logits.device, logits.dtype).unsqueeze(1)
+    c = counts.to(logits.device, logits.dtype)
+    return logits - f * c - p * (c > 0).to(logits.dtype)
+
+
 def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.Tensor, top_n: int = 0):
     """Log-probabilities of `tokens` [N] under the distribution row r is sampled from:
     log(process_logits(logits, params)) (after temperature, top-k, top-p). Greedy rows, whose

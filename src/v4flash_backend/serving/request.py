@@ -6,7 +6,7 @@ of the first two):
   stream BOOL [1], exclude_input_in_output BOOL [1], sampling_parameters STRING [1] (JSON)
   max_tokens INT32 [1], temperature FP32 [1], top_p FP32 [1], top_k INT32 [1],
   seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1], min_tokens INT32 [1]
-  stop_words STRING [-1], frequency_penalty / presence_penalty FP32 [1] (0 only): TRT-LLM names
+  stop_words STRING [-1], frequency_penalty / presence_penalty FP32 [1]: TRT-LLM's names
   return_{finish_reason,cumulative_logprob,logprobs,num_input_tokens,num_output_tokens} BOOL [1]
 
 Sampling values come from, highest priority first: the typed inputs, the
@@ -145,13 +145,10 @@ def _json_one(value, name):
     return 1
 
 
-def _json_zero_penalty(value, name):
-    # Refused rather than ignored: a penalty changes the target distribution, and silently
-    # sampling from another one would be wrong. 0 (the OpenAI default, which the frontends
-    # always send) is no penalty.
+def _json_penalty(value, name):
     v = _json_float(value, name)
-    if v != 0:
-        raise invalid(f"{name} is not supported (only 0), got {value!r}")
+    if not -2.0 <= v <= 2.0:  # the OpenAI range
+        raise invalid(f"{name} must be in [-2, 2], got {value!r}")
     return v
 
 
@@ -167,7 +164,7 @@ _JSON_PARSERS = {
     "min_tokens": _json_int, "stop": _json_stop, "logprobs": _json_int,
     # what Triton's OpenAI frontend puts in sampling_parameters for every request (vllm format,
     # engine/utils/triton.py _create_vllm_generate_request: the OpenAI request's non-None fields)
-    "n": _json_one, "frequency_penalty": _json_zero_penalty, "presence_penalty": _json_zero_penalty,
+    "n": _json_one, "frequency_penalty": _json_penalty, "presence_penalty": _json_penalty,
     "logit_bias": _json_logit_bias,
 }
 SAMPLING_KEYS = tuple(_JSON_PARSERS)
@@ -177,8 +174,8 @@ _TENSOR_PARSERS = {
     "stop_token_ids": lambda arr, name: [int(v) for v in _check_kind(arr, name, "iu", "INT32").reshape(-1)],
     # TRT-LLM format (the OpenAI frontend's _create_trtllm_generate_request): stop_words STRING [-1]
     "stop_words": lambda arr, name: _strings(arr, name),
-    "frequency_penalty": lambda arr, name: _json_zero_penalty(_float_input(arr, name), name),
-    "presence_penalty": lambda arr, name: _json_zero_penalty(_float_input(arr, name), name),
+    "frequency_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
+    "presence_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
 }
 # BOOL inputs that only ask for outputs this model always sends (vllm_backend's return_* inputs);
 # return_logprobs / return_cumulative_logprob also switch the engine's log-prob computation on.
@@ -334,6 +331,9 @@ class RequestParser:
             if len(stops) > MAX_STOP_STRINGS or any(len(t) > MAX_STOP_CHARS for t in stops):
                 raise invalid(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
             req.stop = tuple(stops)
+        for key in ("frequency_penalty", "presence_penalty"):
+            if key in v:
+                setattr(req, key, v[key])
         if "logprobs" in v:
             if not 0 <= v["logprobs"] <= MAX_LOGPROBS:
                 raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v['logprobs']}")

@@ -25,7 +25,7 @@ INPUTS = (
     ("ignore_eos", "TYPE_BOOL", [1], True),
     ("min_tokens", "TYPE_INT32", [1], True),
     # Triton's OpenAI frontend, TRT-LLM format (engine/utils/triton.py,
-    # _create_trtllm_generate_request): stop strings and the penalties (only 0 is accepted)
+    # _create_trtllm_generate_request): stop strings and the frequency / presence penalties
     ("stop_words", "TYPE_STRING", [-1], True),
     ("frequency_penalty", "TYPE_FP32", [1], True),
     ("presence_penalty", "TYPE_FP32", [1], True),
