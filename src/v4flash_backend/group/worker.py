@@ -26,7 +26,8 @@ the connection that submitted it and is cancelled if that connection closes.
   client -> server
     {"op":"submit","id":ID,"prompt_ids":[int,...],"params":{"max_tokens":int,"temperature":float,
      "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool,
-     "min_tokens":int,"logprobs":int}}  (request.GenerateRequest's wire fields)
+     "min_tokens":int,"logprobs":int,"frequency_penalty":float,"presence_penalty":float}}
+    (request.GenerateRequest's wire fields)
     {"op":"cancel","id":ID}
     {"op":"health","tag":T}  {"op":"stats","tag":T}  {"op":"shutdown","tag":T}
   server -> client
