@@ -30,7 +30,9 @@ from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_no_early_
 from v4flash_backend.engine.sampling import (
     SamplingParams,
     TorchSampler,
+    apply_penalties,
     make_generator,
+    mask_stop_tokens,
     process_logits,
 )
 
@@ -103,11 +105,19 @@ def select_block(b, idx):
     return DraftBlock(b.tokens[idx], b.prev[idx], b.q_token[idx], b.z[idx])
 
 
-def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False):
+def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False,
+                    proc=None, pos0=0, raw_z=False, hist_counts=None, verify_ignores_drafts=False):
     """Every outcome of one round for I independent batch instances of R requests (ctxs [I, R, 2]).
 
     Returns (inst, req, result, weight, ell) over rows (instance, branch, request): `weight` is the
-    probability of the branch (identical across the R rows of one branch)."""
+    probability of the branch (identical across the R rows of one branch).
+
+    proc(logits [N, V], pos [N]) -> logits: a logit processor of the target that depends on the output
+    position of the predicted token (min_tokens masking); the round starts at output position pos0.
+    It is applied to the draft through markov_draft's logit_fn and to the verify rows, the way the
+    engine does (Engine._draft_logit_fn / _process_target). With hist_counts [I, V] (the generated
+    tokens before the round, per instance) proc also gets each row's counts: history plus the drafts
+    before the row (penalties)."""
     I, R, _ = ctxs.shape
     V, G = toy.V, toy.G
     greedy = all(s.get("temperature", 1.0) == 0 for s in specs)
@@ -122,8 +132,18 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     ctx = ctxs[inst, req]
     params = rows_params(specs, req)
     sampler = ScriptSampler(cats=[scripts[(d // S ** req) % S, k] for k in range(G)]) if not greedy else ScriptSampler()
-    block = markov_draft(toy.base_U(ctx), ctx[:, 1], toy.bias, params, sampler)
+    logit_fn = None
+    if proc is not None:
+        base = hist_counts[inst] if hist_counts is not None else torch.zeros(len(inst), V, dtype=F64)
+
+        def logit_fn(k, z, drafted):
+            counts = base + torch.nn.functional.one_hot(drafted, V).sum(1).to(F64)
+            return proc(z, torch.full((z.shape[0],), pos0 + k), counts)
+    block = markov_draft(toy.base_U(ctx), ctx[:, 1], toy.bias, params, sampler, logit_fn=logit_fn)
     assert sampler.done()
+    if raw_z:  # NEGATIVE CONTROL: drafts drawn from the processed q, but block.z keeps the raw logits
+        raw = toy.base_U(ctx) + torch.stack([toy.bias(block.prev[:, k]) for k in range(G)], 1)
+        block = DraftBlock(block.tokens, block.prev, block.q_token, raw)
     w_row = sampler.weight if sampler.weight is not None else torch.ones(len(req), dtype=F64)
     w_branch = w_row.view(-1, R).prod(1)
     live = (w_branch > 0).nonzero().squeeze(1)  # drop impossible draft paths (top-k, greedy)
@@ -150,6 +170,13 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     script = (e // P ** r2) % P
     b2, ell2, ctx2 = select_block(block, src), ell[src], ctx[src]
     logits = toy.target_logits(ctx2, b2.tokens, ell2)
+    if proc is not None:
+        _, lreq, step, _ = verify_layout(ctx2[:, 1], b2.tokens, ell2)
+        base = hist_counts[inst[src]] if hist_counts is not None else torch.zeros(len(src), V, dtype=F64)
+        cum = torch.cat([torch.zeros(len(src), 1, V, dtype=F64),
+                         torch.nn.functional.one_hot(b2.tokens, V).to(F64).cumsum(1)], 1)  # [N, G+1, V]
+        counts = base[lreq] + (0 if verify_ignores_drafts else cum[lreq, step])
+        logits = proc(logits, pos0 + step, counts)
     vs = ScriptSampler() if greedy else ScriptSampler(berns=[pats[script // V]], cats=[script % V])
     res = verify(logits, b2, ell2, rows_params(specs, r2), vs)
     assert vs.done()
@@ -261,6 +288,147 @@ def test_enumeration_detects_negative_controls(control):
     toy = Toy(V1, G1, seed=0, conf_shift=1.0)
     kw = {"admit_fn": admit_no_early_stop} if control == "admit_no_early_stop" else {control: True}
     err, *_ = discrepancy_r1(SPECS["T1"], toy, **kw)
+    assert err > CONTROL_MIN, (control, err)
+
+
+# ---- a position-dependent logit processor: min_tokens ------------------------------------------------
+MIN_TOKENS, STOP_ID = 2, 0  # token 0 plays EOS: masked at output positions 0 and 1
+
+
+def min_tokens_proc(logits, pos, counts=None):
+    return mask_stop_tokens(logits, torch.full((logits.shape[0], 1), STOP_ID), pos < MIN_TOKENS)
+
+
+def discrepancy_min_tokens(spec, toy, **kw):
+    """Joint of the first M1 tokens from output position 0, composing rounds that start at positions
+    0, 1, 2 (from 2 on the mask is off, so one table serves every later position)."""
+    ctx_list = list(itertools.product(range(V1), repeat=2))
+    ctxs = torch.tensor(ctx_list).view(-1, 1, 2)
+    tables = {}
+    for pos0 in range(MIN_TOKENS + 1):
+        inst, _, res, weight, _ = enumerate_round(toy, ctxs, [spec], SPS1, proc=min_tokens_proc, pos0=pos0, **kw)
+        tables[pos0] = outcome_tables(inst, res, weight, len(ctx_list))
+    index = {c: i for i, c in enumerate(ctx_list)}
+    memo, tmemo = {}, {}
+
+    def got(ctx, pos, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        key = (ctx, min(pos, MIN_TOKENS), n)
+        if key not in memo:
+            J = torch.zeros([toy.V] * n, dtype=F64)
+            for s, p in tables[min(pos, MIN_TOKENS)][index[ctx]].items():
+                if len(s) >= n:
+                    J[s[:n]] += p
+                else:
+                    J[s] += p * got((ctx + s)[-2:], pos + len(s), n - len(s))
+            memo[key] = J
+        return memo[key]
+
+    def want(ctx, pos, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        key = (ctx, min(pos, MIN_TOKENS), n)
+        if key not in tmemo:
+            lg = min_tokens_proc(toy.tgt[ctx][None], torch.tensor([pos]))
+            p = process_logits(lg, rows_params([spec], torch.zeros(1, dtype=torch.long)))[0]
+            tmemo[key] = torch.stack([p[y] * want((ctx[1], y), pos + 1, n - 1) for y in range(toy.V)])
+        return tmemo[key]
+
+    err = max(float((got(c, 0, M1) - want(c, 0, M1)).abs().max()) for c in ctx_list)
+    masked = max(float(want(c, 0, M1)[STOP_ID].abs().max()) + float(want(c, 0, M1)[:, STOP_ID].abs().max())
+                 for c in ctx_list)
+    return err, masked
+
+
+@pytest.mark.parametrize("name", ["T1", "T0.7_topk3", "greedy"])
+def test_enumeration_min_tokens_equals_masked_target(name):
+    # The mask changes the target (token 0 impossible at positions 0, 1); DSpark's output must follow
+    # the masked target exactly, with drafts and verify rows processed alike.
+    toy = Toy(V1, G1, seed=0, conf_shift=1.0)
+    err, masked = discrepancy_min_tokens(SPECS[name], toy)
+    assert masked == 0.0  # the wanted joint really excludes token 0 at the first two positions
+    assert err <= EXACT_TOL, err
+
+
+def test_enumeration_min_tokens_detects_unprocessed_residual():
+    # NEGATIVE CONTROL: drafts drawn from the masked q, but the residual computed from raw draft logits
+    # (what a markov_draft that processed z only for sampling would do).
+    toy = Toy(V1, G1, seed=0, conf_shift=1.0)
+    err, _ = discrepancy_min_tokens(SPECS["T1"], toy, raw_z=True)
+    assert err > CONTROL_MIN, err
+
+
+# ---- a history-dependent logit processor: frequency / presence penalties --------------------------
+V2, G2, M2 = 4, 2, 3  # M2 = G2 + 1 tokens: a full round and what follows shorter rounds
+PEN_F, PEN_P = 0.8, 0.5
+
+
+def penalty_proc(logits, pos, counts):
+    n = logits.shape[0]
+    return apply_penalties(logits, counts, torch.full((n,), PEN_F, dtype=F64), torch.full((n,), PEN_P, dtype=F64))
+
+
+def discrepancy_penalties(spec, toy, starts, sps, **kw):
+    """Joint of the first M2 tokens after each start context under the penalised target. A round's
+    distribution depends on everything generated before it, so one instance per (start, history)
+    with len(history) < M2, all enumerated in one batch; rounds are composed over histories."""
+    states = [(c0, h) for c0 in starts for n in range(M2) for h in itertools.product(range(V2), repeat=n)]
+    ctxs = torch.tensor([list((c0 + h)[-2:]) for c0, h in states]).view(-1, 1, 2)
+    hist = torch.stack([torch.bincount(torch.tensor(h, dtype=torch.long), minlength=V2).to(F64) for _, h in states])
+    inst, _, res, weight, ell = enumerate_round(toy, ctxs, [spec], sps, proc=penalty_proc, hist_counts=hist, **kw)
+    tables = outcome_tables(inst, res, weight, len(states))
+    index = {st: i for i, st in enumerate(states)}
+    params = rows_params([spec], torch.zeros(1, dtype=torch.long))
+    memo = {}
+
+    def got(c0, h, n):
+        J = torch.zeros([V2] * n, dtype=F64)
+        for s_, p in tables[index[c0, h]].items():
+            if len(s_) >= n:
+                J[s_[:n]] += p
+            else:
+                J[s_] += p * got(c0, h + s_, n - len(s_))
+        return J
+
+    def want(c0, h, n):
+        if n == 0:
+            return torch.ones((), dtype=F64)
+        if (c0, h) not in memo:
+            ctx = (c0 + h)[-2:]
+            lg = penalty_proc(toy.tgt[ctx][None], None, hist[index[c0, h]][None])
+            memo[c0, h] = process_logits(lg, params)[0]
+        p = memo[c0, h]
+        return torch.stack([p[y] * want(c0, h + (y,), n - 1) for y in range(V2)])
+
+    err = max(float((got(c0, (), M2) - want(c0, (), M2)).abs().max()) for c0 in starts)
+    # the penalty really moves the target: compare with the unpenalised joint of one start
+    c0 = starts[0]
+    plain = target_joint(toy, spec, [c0], M2)[c0]
+    moved = float((want(c0, (), M2) - plain).abs().max())
+    ell_mass = torch.zeros(G2 + 1, dtype=F64).scatter_add_(0, ell, weight) / len(states)
+    return err, moved, ell_mass
+
+
+PEN_STARTS = [(0, 1), (2, 3), (1, 1)]
+PEN_SPS = SPSTable([1, 2, 3], [1.0, 0.65, 0.5])
+
+
+@pytest.mark.parametrize("name", ["T1", "T0.7_topk3", "greedy"])
+def test_enumeration_penalties_equal_penalised_target(name):
+    toy = Toy(V2, G2, seed=2, conf_shift=0.5)
+    err, moved, ell_mass = discrepancy_penalties(SPECS[name], toy, PEN_STARTS, PEN_SPS)
+    assert moved > 0.01 or name == "greedy"  # the penalised target differs from the plain one
+    assert err <= EXACT_TOL, err
+    assert bool((ell_mass > 0.01).all()) or name == "greedy", ell_mass  # drafts admitted 0..gamma
+
+
+@pytest.mark.parametrize("control", ["verify_ignores_drafts", "raw_z"])
+def test_enumeration_penalties_detect_wrong_wiring(control):
+    # NEGATIVE CONTROLS: verify rows penalised for the committed history only (not the drafts before
+    # them), or the residual taken from unpenalised draft logits.
+    toy = Toy(V2, G2, seed=2, conf_shift=0.5)
+    err, _, _ = discrepancy_penalties(SPECS["T1"], toy, PEN_STARTS, PEN_SPS, **{control: True})
     assert err > CONTROL_MIN, (control, err)
 
 

@@ -149,8 +149,8 @@ def conf_on_drafts(eng):  # the confidence head reads x_k instead of its predece
 def _wrap_draft(eng, change):
     real = acc.markov_draft
 
-    def draft(U, anchor, bias_fn, params, sampler):
-        block = real(U, anchor, bias_fn, params, sampler)
+    def draft(U, anchor, bias_fn, params, sampler, **kw):
+        block = real(U, anchor, bias_fn, params, sampler, **kw)
         return change(block, U, params)
 
     eng._mutation = ("markov_draft", real)

@@ -128,7 +128,8 @@ def test_sampling_priority_typed_over_json_over_request_parameters():
     assert r.top_k == 0  # vLLM's -1 (disabled) is the engine's 0
     assert r.seed == 2**64 - 1 and r.stop_token_ids == (7, 8)
     assert r.sampling() == dict(max_tokens=5, temperature=0.25, top_p=0.5, top_k=0, seed=2**64 - 1,
-                                stop_token_ids=[7, 8], ignore_eos=False)
+                                stop_token_ids=[7, 8], ignore_eos=False, min_tokens=0, logprobs=-1,
+                                frequency_penalty=0.0, presence_penalty=0.0)
 
 
 @pytest.mark.parametrize("inputs, match", [
@@ -169,14 +170,64 @@ def test_bad_requests_are_invalid_arg_naming_the_problem(inputs, match):
     bad(inputs, match)
 
 
-def test_min_tokens_as_genai_perf_sends_it():
-    def parse(obj):
-        return parser().parse({"input_ids": i32(1), "sampling_parameters": np.array([json.dumps(obj).encode()],
-                                                                                    dtype=object)})
-    assert parse({"max_tokens": 7, "min_tokens": 7}).ignore_eos
-    assert not parse({"max_tokens": 7, "min_tokens": 0}).ignore_eos
-    with pytest.raises(RequestError, match="min_tokens must be 0 or equal to max_tokens"):
-        parse({"max_tokens": 7, "min_tokens": 3})
+def _parse_json(obj, **inputs):
+    return parser().parse({"input_ids": i32(1), "sampling_parameters": np.array([json.dumps(obj).encode()],
+                                                                                dtype=object), **inputs})
+
+
+def test_sampling_values_as_strings_convert_by_type_as_vllm_backend_does():
+    # genai-perf 0.0.16 --backend vllm sends {"max_tokens": "32", "min_tokens": "32"}
+    r = _parse_json({"max_tokens": "32", "min_tokens": "32", "temperature": "0.7", "top_p": " 0.9",
+                     "top_k": "5", "seed": "11", "ignore_eos": "false", "logprobs": "2"})
+    assert (r.max_tokens, r.min_tokens, r.temperature, r.top_p, r.top_k, r.seed) == (32, 32, 0.7, 0.9, 5, 11)
+    assert r.ignore_eos is False and r.logprobs == 2  # "false" is false (not Python's bool("false"))
+    assert _parse_json({"stop_token_ids": "[3, 4]", "stop": "\n\n"}).stop_token_ids == (3, 4)
+    assert _parse_json({"stop": "ab"}).stop == ("ab",) and _parse_json({"stop": ["a", "b"]}).stop == ("a", "b")
+
+
+@pytest.mark.parametrize("obj,match", [
+    ({"max_tokens": "64x"}, "sampling_parameters.max_tokens must be an integer, got '64x'"),
+    ({"max_tokens": "6.5"}, "sampling_parameters.max_tokens must be an integer"),
+    ({"temperature": "warm"}, "sampling_parameters.temperature must be a number, got 'warm'"),
+    ({"temperature": "nan"}, "sampling_parameters.temperature must be a number"),
+    ({"ignore_eos": "maybe"}, "sampling_parameters.ignore_eos must be true or false"),
+    ({"stop_token_ids": "[3,"}, "sampling_parameters.stop_token_ids must be a list"),
+    ({"stop": [1]}, "sampling_parameters.stop must be a string or a list of strings"),
+    ({"max_tokens": 7, "min_tokens": 8}, r"min_tokens must be in \[0, max_tokens=7\], got 8"),
+    ({"min_tokens": -1}, r"min_tokens must be in \[0, max_tokens=\d+\], got -1"),
+    ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2, 2\], got 2.5"),
+    ({"presence_penalty": "-3"}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": "lots"}, "presence_penalty must be a number"),
+    ({"n": 2}, "n must be 1"),
+    ({"logit_bias": {"5": 3}}, "logit_bias is not supported"),
+    ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+])
+def test_sampling_values_that_do_not_convert_are_invalid_arg(obj, match):
+    with pytest.raises(RequestError, match=match) as exc:
+        _parse_json(obj)
+    assert exc.value.code == "INVALID_ARG"
+
+
+def test_min_tokens_anywhere_from_zero_to_max_tokens():
+    for m in (0, 1, 3, 7):
+        r = _parse_json({"max_tokens": 7, "min_tokens": m})
+        assert r.min_tokens == m and not r.ignore_eos
+
+
+def test_openai_frontend_defaults_and_return_flags_are_accepted():
+    # the OpenAI frontend's vllm format: every non-None field of the OpenAI request (n, penalties 0, ...)
+    r = _parse_json({"frequency_penalty": 0.0, "ignore_eos": False, "n": 1, "presence_penalty": 0.0,
+                     "temperature": 1.0, "top_p": 1.0, "max_tokens": 16, "logprobs": 1},
+                    return_logprobs=np.array([True]), return_num_input_tokens=np.array([True]),
+                    return_num_output_tokens=np.array([True]))
+    assert r.return_logprobs and r.logprobs == 1 and r.temperature == 1.0
+    r = parser().parse({"input_ids": i32(1), "return_cumulative_logprob": np.array([True])})
+    assert r.logprobs == 0 and not r.return_logprobs  # log-probs computed for the cumulative sum only
+    r = parser().parse({"input_ids": i32(1), "stop_words": np.array([b"\n\n", "ö".encode()], dtype=object),
+                        "frequency_penalty": np.array([0.0], dtype=np.float32)})
+    assert r.stop == ("\n\n", "ö")
+    r = _parse_json({"frequency_penalty": "0.5", "presence_penalty": -1})
+    assert (r.frequency_penalty, r.presence_penalty) == (0.5, -1.0)
 
 
 def test_text_input_needs_a_tokenizer_and_text():
@@ -196,8 +247,8 @@ def _chunk(ids, ctx, reason=None, drafted=0, accepted=0):
 
 def test_streamed_responses_carry_every_output_and_deltas():
     b = ResponseBuilder(GenerateRequest(prompt=[0, 9], stream=True))
-    outs = [b.on_chunk(_chunk([5], [0, 9])), b.on_chunk(_chunk([6, 7], [0, 9, 5], drafted=5, accepted=1)),
-            b.on_chunk(_chunk([8], [0, 9, 5, 6, 7], "length", drafted=10, accepted=1))]
+    outs = [b.on_chunk(_chunk([5], [0, 9]))[0], b.on_chunk(_chunk([6, 7], [0, 9, 5], drafted=5, accepted=1))[0],
+            b.on_chunk(_chunk([8], [0, 9, 5, 6, 7], "length", drafted=10, accepted=1))[0]]
     for out in outs:
         assert set(out) == set(OUTPUT_NAMES)  # the ensemble pairs outputs positionally
         assert out["output_ids"].dtype == np.int32 and out["context_ids"].dtype == np.int32
@@ -215,8 +266,8 @@ def test_non_streamed_is_one_response_with_or_without_the_prompt():
     prompt = list(range(1, 12))
     for echo in (False, True):
         b = ResponseBuilder(GenerateRequest(prompt=prompt, stream=False, echo=echo))
-        assert b.on_chunk(_chunk([20], prompt[-8:], drafted=3)) is None
-        out = b.on_chunk(_chunk([21, 22], [0], "stop", drafted=8, accepted=2))
+        assert b.on_chunk(_chunk([20], prompt[-8:], drafted=3))[0] is None
+        out = b.on_chunk(_chunk([21, 22], [0], "stop", drafted=8, accepted=2))[0]
         assert out["output_ids"].tolist() == (prompt if echo else []) + [20, 21, 22]
         assert out["context_ids"].tolist() == ([] if echo else prompt[-8:])
         assert int(out["num_output_tokens"][0]) == 3 and int(out["num_drafted_tokens"][0]) == 8
@@ -245,8 +296,8 @@ def test_streamed_text_concatenates_to_the_non_streamed_text(tokenizer):
     for a, z in zip(cuts, cuts[1:]):
         ev = _chunk(gen[a:z], seq[-8:], "stop" if z == len(gen) else None)
         seq += gen[a:z]
-        streamed.append(s.on_chunk(ev)["text_output"][0].decode())
-        whole, echoed = n.on_chunk(ev), e.on_chunk(ev)
+        streamed.append(s.on_chunk(ev)[0]["text_output"][0].decode())
+        whole, echoed = n.on_chunk(ev)[0], e.on_chunk(ev)[0]
     assert "".join(streamed) == whole["text_output"][0].decode() == tokenizer.decode(gen)
     assert echoed["text_output"][0].decode() == prompt_text + tokenizer.decode(gen)
     assert "\ufffd" not in "".join(streamed)

@@ -194,6 +194,33 @@ def test_export_writes_official_layout_and_loads_with_training_logits(micro, tmp
     got = loaded.forward(st, tokens.flatten(), make_segments([(i, 0, s) for i in range(n)]), "all").logits
     assert (got - ref).abs().max() < 2e-2, (got - ref).abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    _assert_hf_tokenizer_dir(tmp_path)
+
+
+def _assert_hf_tokenizer_dir(d):
+    """What transformers' AutoTokenizer.from_pretrained(d) needs (transformers
+    models/auto/tokenization_auto.py, AutoTokenizer.from_pretrained: `tokenizer_class` from
+    tokenizer_config.json, else AutoConfig on config.json, which has no `model_type` here):
+    tokenizer_config.json naming PreTrainedTokenizerFast (tokenization_utils_fast.py: it wraps
+    tokenizer.json as is) and special tokens that exist in tokenizer.json with the model's ids."""
+    from tokenizers import Tokenizer
+
+    from v4flash_backend.training.tokenizer import hf_tokenizer_files
+
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert tc["tokenizer_class"] == "PreTrainedTokenizerFast"
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "config.json").read_text())
+    assert [tok.token_to_id(tc[k]) for k in ("bos_token", "eos_token", "pad_token")] == [0, 1, 2]
+    assert tok.token_to_id(tc["additional_special_tokens"][1]) == cfg["dspark_noise_token_id"]
+    special = json.loads((d / "special_tokens_map.json").read_text())
+    assert special["eos_token"] == tc["eos_token"]
+    assert {n: json.loads((d / n).read_text()) for n in hf_tokenizer_files(0)} == \
+        hf_tokenizer_files(tc["model_max_length"])
+
+
+def test_artefact_is_a_standard_hf_tokenizer_directory():
+    _assert_hf_tokenizer_dir(ARTEFACT)
 
 
 def test_batched_draft_forward_equals_inference_drafter(micro, tmp_path):

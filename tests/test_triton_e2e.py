@@ -72,6 +72,10 @@ def _build_repository(root: Path) -> Path:
     config += 'parameters { key: "stats_interval_s", value: { string_value: "0.2" } }\n'
     (repo / "v4flash" / "config.pbtxt").write_text(config)
     shutil.copytree(REPO / "model_repository/v4flash_text", repo / "v4flash_text")
+    (repo / "trtllm_request" / "1").mkdir(parents=True)
+    (repo / "trtllm_request" / "1" / "model.py").symlink_to(REPO / "model_repository/trtllm_request/1/model.py")
+    shutil.copy(REPO / "model_repository/trtllm_request/config.pbtxt", repo / "trtllm_request")
+    shutil.copytree(REPO / "model_repository/v4flash_trtllm", repo / "v4flash_trtllm")
     return repo
 
 
@@ -394,3 +398,198 @@ def test_metrics_endpoint_counts_a_request(server):
     assert delta("v4flash:e2e_request_latency_seconds_count") == 1
     assert delta("v4flash:requests_finished_total[length]") == 1
     assert after["v4flash:kv_slots_total"] == SLOTS and after["v4flash:kv_slots_in_use"] == 0
+
+
+# ---- real clients: Triton's OpenAI frontend, vllm_backend-style values, stop strings ---------------
+# The frontend (triton-inference-server/server python/openai/openai_frontend, engine/utils/triton.py)
+# runs Triton in process, so it cannot run here; these tests build exactly the tensors its request
+# builders build and read the responses the way its parsers read them.
+_OPENAI_EXCLUDES = {"model", "stream", "messages", "prompt", "echo", "store", "metadata", "response_format",
+                    "service_tier", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "user",
+                    "function_call", "functions", "suffix", "max_completion_tokens", "max_tokens", "logprobs",
+                    "top_logprobs", "best_of"}
+# CreateCompletionRequest's fields with their defaults (schemas/openai.py) for a request that sets
+# prompt, max_tokens, temperature, seed and stream; model_dump(exclude_none=True) keeps the non-None ones.
+_COMPLETION_DEFAULTS = dict(best_of=1, echo=False, frequency_penalty=0, ignore_eos=False, logit_bias=None,
+                            logprobs=None, min_tokens=None, n=1, presence_penalty=0, seed=None, stop=None,
+                            stream=False, stream_options=None, suffix=None, temperature=1, top_p=1, user=None)
+
+
+def _vllm_format_inputs(prompt, stream, max_tokens, logprobs=None, **fields):
+    """engine/utils/triton.py, _create_vllm_generate_request, for a CreateCompletionRequest."""
+    req = dict(_COMPLETION_DEFAULTS, **fields)
+    sampling = {k: v for k, v in req.items() if k not in _OPENAI_EXCLUDES and v is not None}
+    sampling["max_tokens"] = max_tokens
+    if logprobs is not None and logprobs > 0:
+        sampling["logprobs"] = logprobs
+    echo = req["echo"]
+    return {"return_logprobs": np.bool_([logprobs is not None and logprobs > 0]),
+            "text_input": np.array([prompt.encode()], dtype=object),
+            "stream": np.bool_([stream]),
+            "exclude_input_in_output": np.bool_([not echo]),
+            "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object),
+            "return_num_input_tokens": np.bool_([True]),
+            "return_num_output_tokens": np.bool_([True])}
+
+
+_DTYPES = {np.bool_: "BOOL", np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64"}
+
+
+def _raw_stream(server, model, inputs):
+    """All responses of one gRPC stream request as {output name: numpy array}; an error raises."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(server["grpc"])
+    q = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    tensors = []
+    for name, arr in inputs.items():
+        t = grpcclient.InferInput(name, list(arr.shape), _DTYPES[arr.dtype.type])
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    try:
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        out = []
+        while True:
+            result, error = q.get(timeout=120)
+            if error is not None:
+                raise error
+            resp = result.get_response()
+            if resp.outputs:
+                out.append({o.name: result.as_numpy(o.name) for o in resp.outputs})
+            if resp.parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _frontend_parse(responses):
+    """What the frontend takes from each response: _get_output (text_output: exactly one string,
+    _to_string), _StreamingUsageAccumulator (num_input_tokens once, num_output_tokens summed; the
+    first element of UINT32 tensors) and _get_logprobs_from_response (one JSON string or "null")."""
+    text, prompt_tokens, completion_tokens, logprobs = "", None, 0, []
+    for r in responses:
+        assert r["text_output"].size == 1, r["text_output"]  # _to_string: "Expected to find 1 string"
+        text += r["text_output"].reshape(-1)[0].decode("utf-8")
+        assert r["num_input_tokens"].dtype == np.uint32 and r["num_output_tokens"].dtype == np.uint32
+        prompt_tokens = int(r["num_input_tokens"].reshape(-1)[0]) if prompt_tokens is None else prompt_tokens
+        completion_tokens += int(r["num_output_tokens"].reshape(-1)[0])
+        lp = r["logprobs"].reshape(-1)[0].decode()
+        if lp != "null":
+            logprobs += json.loads(lp)
+    return text, prompt_tokens, completion_tokens, logprobs
+
+
+@pytest.mark.parametrize("model", ["v4flash", "v4flash_text"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_openai_frontend_vllm_format_requests_are_served_and_parsed(server, tokenizer, model, stream):
+    # what `--backend vllm` sends for {"prompt": ..., "max_tokens": N, "temperature": 0, "seed": 1,
+    # "logprobs": 2, "stream": stream} (a completions request)
+    inputs = _vllm_format_inputs(PROMPT_TEXT, stream, N, logprobs=2, temperature=0, seed=1)
+    responses = _raw_stream(server, model, inputs)
+    text, prompt_tokens, completion_tokens, logprobs = _frontend_parse(responses)
+    want = _grpc(server, model="v4flash", prompt=PROMPT_TEXT, max_tokens=N, ignore_eos=False)
+    assert text == "".join(c.text for c in want)
+    assert prompt_tokens == len(tokenizer.encode(PROMPT_TEXT).ids)
+    assert completion_tokens == sum(c.num_output_tokens for c in want)
+    assert len(logprobs) == completion_tokens  # one dict per generated token
+    ids = [t for c in want for t in c.output_ids]
+    for tok_id, d in zip(ids, logprobs):
+        # greedy: the chosen token is the most likely (rank 1), the frontend's "selected" entry
+        assert d[str(tok_id)]["rank"] == 1 and d[str(tok_id)]["logprob"] <= 0
+        assert d[str(tok_id)]["decoded_token"] == tokenizer.decode([tok_id])
+        assert 1 <= len(d) <= 2
+    assert responses[-1]["finish_reason"].reshape(-1)[0].decode() in ("length", "stop")
+    assert len(responses) == 1 or stream
+
+
+def _trtllm_format_inputs(prompt, stream, max_tokens, stop=None, **fields):
+    """engine/utils/triton.py, _create_trtllm_generate_request, for a CreateCompletionRequest (its
+    echo_tensor_name is found because the model declares exclude_input_in_output)."""
+    req = dict(_COMPLETION_DEFAULTS, **fields)
+    inputs = {"text_input": np.array([[prompt.encode()]], dtype=object), "stream": np.bool_([[stream]]),
+              "max_tokens": np.int32([[max_tokens]])}
+    if stop:
+        inputs["stop_words"] = np.array([[s.encode() for s in ([stop] if isinstance(stop, str) else stop)]],
+                                        dtype=object)
+    if req["top_p"] is not None:
+        inputs["top_p"] = np.float32([[req["top_p"]]])
+    for k in ("frequency_penalty", "presence_penalty"):
+        if req[k] is not None:
+            inputs[k] = np.float32([[req[k]]])
+    if req["seed"] is not None:
+        inputs["seed"] = np.uint64([[req["seed"]]])
+    if req["temperature"] is not None:
+        inputs["temperature"] = np.float32([[req["temperature"]]])
+    if req["echo"] is not None:
+        inputs["exclude_input_in_output"] = np.bool_([[not req["echo"]]])
+    inputs["return_num_input_tokens"] = np.bool_([[True]])
+    inputs["return_num_output_tokens"] = np.bool_([[True]])
+    return inputs
+
+
+def test_trtllm_format_shapes_are_refused_by_v4flash_and_served_by_v4flash_trtllm(server, tokenizer):
+    # Triton refuses the [1, 1] tensors for a max_batch_size-0 model with dims [1] before the model
+    # sees them; the v4flash_trtllm ensemble declares them and maps them onto v4flash.
+    with pytest.raises(Exception, match=r"unexpected shape for input '\w+' for model 'v4flash'"):
+        _raw_stream(server, "v4flash", _trtllm_format_inputs(PROMPT_TEXT, True, N, temperature=0, seed=1))
+    want = _grpc(server, model="v4flash", prompt=PROMPT_TEXT, max_tokens=N, ignore_eos=False)
+    want_text = "".join(c.text for c in want)
+    for stream in (True, False):
+        responses = _raw_stream(server, "v4flash_trtllm",
+                                _trtllm_format_inputs(PROMPT_TEXT, stream, N, temperature=0, seed=1))
+        text, prompt_tokens, completion_tokens, _ = _frontend_parse(responses)
+        assert text == want_text and completion_tokens == sum(c.num_output_tokens for c in want)
+        assert prompt_tokens == len(tokenizer.encode(PROMPT_TEXT).ids)
+        assert len(responses) == 1 or stream
+    # stop_words [[...]]: the text before the first stop string, finish_reason stop
+    stop = want_text[len(want_text) // 2:len(want_text) // 2 + 2]
+    responses = _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, stop=[stop],
+                                                                            temperature=0))
+    assert _frontend_parse(responses)[0] == want_text[:want_text.find(stop)]
+    assert responses[-1]["finish_reason"].reshape(-1)[0].decode() == "stop"
+    # penalties reach the engine (a strong one changes the greedy text); out of range is INVALID_ARG
+    responses = _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, temperature=0,
+                                                                            frequency_penalty=2.0))
+    assert _frontend_parse(responses)[2] == N
+    with pytest.raises(Exception, match=r"frequency_penalty must be in \[-2, 2\]"):
+        _raw_stream(server, "v4flash_trtllm", _trtllm_format_inputs(PROMPT_TEXT, True, N, frequency_penalty=2.5))
+
+
+def test_sampling_values_as_strings_and_min_tokens_over_the_server(server):
+    # genai-perf's vllm mode: {"max_tokens": "5", "min_tokens": "5"} (strings) -> exactly 5 tokens
+    sp = lambda obj: np.array([json.dumps(obj).encode()], dtype=object)  # noqa: E731
+    out = _raw_stream(server, "v4flash_text", {"text_input": np.array([PROMPT_TEXT.encode()], dtype=object),
+                                               "stream": np.bool_([True]),
+                                               "exclude_input_in_output": np.bool_([True]),
+                                               "sampling_parameters": sp({"max_tokens": "5", "min_tokens": "5"})})
+    assert sum(int(r["num_output_tokens"][0]) for r in out) == 5
+    with pytest.raises(Exception, match=r"sampling_parameters.max_tokens must be an integer, got 'five'"):
+        _raw_stream(server, "v4flash_text", {"text_input": np.array([PROMPT_TEXT.encode()], dtype=object),
+                                             "sampling_parameters": sp({"max_tokens": "five"})})
+
+
+@pytest.mark.parametrize("model", ["v4flash", "v4flash_text"])
+def test_stop_strings_stream_exactly_to_the_stop(server, model):
+    full = "".join(c.text for c in _grpc(server, model="v4flash", prompt=PROMPT_TEXT, max_tokens=N))
+    # a stop string from the middle of the greedy text: 3 characters from a third of the way in
+    stop = full[len(full) // 3:len(full) // 3 + 3]
+    want = full[:full.find(stop)]
+    sp = np.array([json.dumps({"max_tokens": N, "ignore_eos": True, "stop": [stop, "\x00never"]}).encode()],
+                  dtype=object)
+    for stream in (True, False):
+        inputs = {"text_input": np.array([PROMPT_TEXT.encode()], dtype=object), "stream": np.bool_([stream]),
+                  "exclude_input_in_output": np.bool_([True]), "sampling_parameters": sp}
+        responses = _raw_stream(server, model, inputs)
+        texts = [r["text_output"].reshape(-1)[0].decode() for r in responses]
+        assert "".join(texts) == want, (stop, texts, full)
+        assert responses[-1]["finish_reason"].reshape(-1)[0].decode() == "stop"
+        # no response carries any character of the stop string beyond what the text before it has
+        assert all(stop not in "".join(texts[:k + 1]) for k in range(len(texts)))
+    # TRT-LLM's name for the same thing, as a typed input
+    inputs = {"text_input": np.array([PROMPT_TEXT.encode()], dtype=object), "stream": np.bool_([True]),
+              "max_tokens": np.int32([N]), "ignore_eos": np.bool_([True]),
+              "stop_words": np.array([stop.encode()], dtype=object)}
+    responses = _raw_stream(server, model, inputs)
+    assert "".join(r["text_output"].reshape(-1)[0].decode() for r in responses) == want

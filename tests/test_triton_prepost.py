@@ -82,6 +82,9 @@ class TritonPythonModel:
                     pb_utils.Tensor("num_output_tokens", np.array([b - a], dtype=np.uint32)),
                     pb_utils.Tensor("num_drafted_tokens", np.array([0], dtype=np.uint32)),
                     pb_utils.Tensor("num_accepted_tokens", np.array([0], dtype=np.uint32)),
+                    pb_utils.Tensor("text_trim", np.array([0], dtype=np.uint32)),
+                    pb_utils.Tensor("logprobs", np.array([b"null"], dtype=object)),
+                    pb_utils.Tensor("cumulative_logprob", np.array([0.0], dtype=np.float32)),
                 ]
                 flags = FINAL if (last and not separate_final) else 0
                 sender.send(pb_utils.InferenceResponse(out), flags=flags)
@@ -90,36 +93,22 @@ class TritonPythonModel:
         return None
 '''
 
-ECHO_CONFIG = """
-name: "v4flash"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [
-  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
-  { name: "stop_token_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true },
-  { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
-]
-output [
-  { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "context_ids", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] },
-  { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },
-  { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] },
-  { name: "num_drafted_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },
-  { name: "num_accepted_tokens", data_type: TYPE_UINT32, dims: [ 1 ] }
-]
-instance_group [ { count: 1, kind: KIND_CPU } ]
-parameters { key: "checkpoint_dir", value: { string_value: "../ckpt" } }
-"""
+def _echo_config() -> str:
+    """The real v4flash I/O (serving.triton_io, which tests/test_serving.py holds config.pbtxt to),
+    so the ensemble's mapping is checked against what the engine model declares."""
+    from v4flash_backend.serving import triton_io
+
+    def tensors(items):
+        return ",\n".join('  { name: "%s", data_type: %s, dims: [ %s ]%s }'
+                           % (t[0], t[1], ", ".join(map(str, t[2])), ", optional: true" if t[3:] and t[3] else "")
+                           for t in items)
+
+    inputs = [t for t in triton_io.INPUTS if t[0] != "text_input"]
+    return (f'name: "v4flash"\nbackend: "python"\nmax_batch_size: 0\nmodel_transaction_policy {{ decoupled: true }}\n'
+            f"input [\n{tensors(inputs)}\n]\noutput [\n{tensors(t for t in triton_io.OUTPUTS if t[0] != 'text_output')}\n]\n"
+            'instance_group [ { count: 1, kind: KIND_CPU } ]\n'
+            'parameters { key: "checkpoint_dir", value: { string_value: "../ckpt" } }\n')
+
 
 
 def test_find_tokenizer_order(tmp_path, monkeypatch):
@@ -185,7 +174,7 @@ def _build_repository(root: Path) -> Path:
     shutil.copytree(REPO / "model_repository/v4flash_text", repo / "v4flash_text")
     (repo / "v4flash" / "1").mkdir(parents=True)
     (repo / "v4flash" / "1" / "model.py").write_text(ECHO_MODEL)
-    (repo / "v4flash" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (repo / "v4flash" / "config.pbtxt").write_text(_echo_config())
     return repo
 
 

@@ -52,8 +52,22 @@ class GenerateRequest:
     seed: int | None = _wire(None, "seed")
     stop_token_ids: tuple[int, ...] = _wire((), "ids")
     ignore_eos: bool = _wire(False, "bool")
+    # vLLM's min_tokens: EOS and stop_token_ids are masked out of the distribution (target and
+    # drafts alike) until this many tokens have been generated.
+    min_tokens: int = _wire(0, "int")
+    # OpenAI / vLLM penalties on the generated tokens so far (logits -= frequency * count +
+    # presence * [count > 0]), applied to target and drafts alike (engine.sampling.apply_penalties).
+    frequency_penalty: float = _wire(0.0, "float")
+    presence_penalty: float = _wire(0.0, "float")
+    # Log-probabilities of the generated tokens (vllm_backend's return_logprobs /
+    # return_cumulative_logprob): -1 none; n >= 0 the sampled token's plus the n most likely.
+    logprobs: int = _wire(-1, "int")
     # ---- serving ----
     prompt_text: str | None = None  # set when the request came as text_input
+    # Stop strings (vLLM's `stop`, TRT-LLM's stop_words): matched on the detokenized output by
+    # the serving side (serving.stop), which ends the request with finish_reason "stop".
+    stop: tuple[str, ...] = ()
+    return_logprobs: bool = False  # the `logprobs` output carries JSON, else "null"
     stream: bool = False
     echo: bool = False  # prepend the prompt to the (non-streamed) output
     # ---- engine ----
@@ -63,6 +77,7 @@ class GenerateRequest:
 
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = tuple(self.stop)
 
     def sampling(self) -> dict:
         """The wire fields as a JSON-ready dict (what rank 0 receives as `params`)."""

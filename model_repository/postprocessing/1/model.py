@@ -1,4 +1,4 @@
-"""postprocessing: output_ids + context_ids (+ finish_reason) -> text_output delta.
+"""postprocessing: output_ids + context_ids (+ finish_reason, text_trim) -> text_output delta.
 
 Stateless and exact for streams: emits decode(context + new) minus decode(context),
 holding back a trailing unfinished UTF-8 character unless finish_reason is
@@ -48,6 +48,7 @@ class TritonPythonModel:
                     pb_utils.get_input_tensor_by_name(request, "output_ids").as_numpy(),
                     _optional(request, "context_ids"),
                     _optional(request, "finish_reason"),
+                    _optional(request, "text_trim"),
                 )
             except ValueError as exc:  # ids outside the vocabulary
                 responses.append(_invalid_arg(f"postprocessing: {exc}"))

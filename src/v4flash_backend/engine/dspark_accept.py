@@ -50,13 +50,20 @@ class DraftBlock:
 def markov_draft(U: torch.Tensor, anchor: torch.Tensor,
                  bias_fn: Callable[[torch.Tensor], torch.Tensor],
                  params: SamplingParams, sampler: Optional[Sampler] = None,
-                 inplace: bool = False) -> DraftBlock:
+                 inplace: bool = False,
+                 logit_fn: Optional[Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]] = None
+                 ) -> DraftBlock:
     """Sample x_1..x_G left to right. U [R, G, V] base draft logits; anchor [R] int64 (x_0);
     bias_fn(prev_ids [R]) -> [R, V] Markov bias B(prev). Each x_k is drawn from
     q_k = process_logits(U_k + B(x_{k-1}), params): conditioned on the SAMPLED predecessor.
 
     inplace=True (fp32/fp64 U only) adds the bias into U and returns it as block.z, saving an
-    [R, G, V] buffer (U[:, k] is not needed after step k)."""
+    [R, G, V] buffer (U[:, k] is not needed after step k).
+
+    logit_fn(k, z_k, drafted [R, k]) -> z_k': a logit processor of the target (min_tokens masking,
+    penalties; drafted = x_1..x_k, the drafts before slot k) for the token at block slot k; applied
+    before sampling, and block.z keeps the processed logits, so
+    the q verification divides by (and the residual subtracts) is the one x_k was drawn from."""
     if U.dim() != 3 or U.shape[0] != anchor.shape[0] or len(params) != U.shape[0]:
         raise ValueError("U must be [R, G, V] with R = len(anchor) = len(params)")
     R, G, V = U.shape
@@ -72,6 +79,8 @@ def markov_draft(U: torch.Tensor, anchor: torch.Tensor,
     q_tok = torch.empty(R, G, dtype=dtype, device=U.device)
     for k in range(G):
         z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
+        if logit_fn is not None:
+            z = logit_fn(k, z, tokens[:, :k])
         if all_greedy:
             # the greedy path needs no distribution: q is one-hot at argmax (first on ties)
             x = z.argmax(-1)

@@ -24,9 +24,9 @@ from v4flash_backend.settings import Settings
 from . import dspark_accept as acc
 from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed
-from .sampling import SamplingParams as _SP
+from .sampling import (SamplingParams, TorchSampler, apply_penalties, make_generator, mask_stop_tokens,
+                       token_logprobs)
 from .step_cost import StepCost, affine_checked, drafting_pays, expected_survivals, interleaved_medians
-from .sampling import SamplingParams, TorchSampler, make_generator
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
 
@@ -45,6 +45,20 @@ class Event:
     admitted: int = 0  # drafts verified
     accepted: int = 0  # drafts accepted
     verify_steps: int = 0  # decode steps (each commits accepted drafts + one target token)
+    # per token of token_ids when the request asked for log-probs (GenerateRequest.logprobs >= 0):
+    # [logprob, rank, [[id, logprob], ...top alternatives]]
+    logprobs: list | None = None
+
+    def to_wire(self) -> dict:
+        """The protocol event dict (what rank 0 sends over its socket; serving/response.py reads it)."""
+        if self.error is not None:
+            return {"event": "error", "code": self.error_code or "INTERNAL", "message": self.error}
+        d = {"event": "chunk", "token_ids": list(self.token_ids), "context_ids": list(self.context_ids),
+             "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+             "num_output_tokens": self.num_output_tokens, "drafted": self.drafted, "accepted": self.accepted}
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
 
     @property
     def tau(self) -> float:
@@ -133,6 +147,10 @@ class Engine:
         bad = [t for t in r.stop_token_ids if not 0 <= int(t) < V]
         if bad:
             raise RequestError(f"stop token id {bad[0]} outside the vocabulary [0, {V})")
+        if not 0 <= r.min_tokens <= r.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens={r.max_tokens}], got {r.min_tokens}")
+        if not -1 <= r.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20] (-1: none), got {r.logprobs}")
 
     def submit(self, r: GenerateRequest) -> str:
         self.validate(r)
@@ -213,7 +231,7 @@ class Engine:
 
         def draft(R: int):
             out = self.runner.dspark([], [(scratch, 7, 3)] * R)
-            params = _SP.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
+            params = SamplingParams.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
             block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
                                      params, self._sampler_for(R))
             admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])), lambda B: torch.ones_like(B, dtype=torch.float64))
@@ -332,11 +350,16 @@ class Engine:
             seqs = [d[0] for d in decode]
             ell = torch.tensor([s.ell for s in seqs], dtype=torch.long)
             lg = out.logits[[logits_at[r] for s, o, n in decode for r in range(o, o + n)]]
+            # verify row j of a request predicts its output token n_out + j
+            lg = self._process_target(lg, seqs, [list(range(s.n_out, s.n_out + n)) for s, o, n in decode])
             res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs),
                              self._stop_ids(seqs), torch.tensor([s.req.max_tokens - s.n_out for s in seqs]))
+            lp_row = 0
             for i, (s, o, n) in enumerate(decode):
                 k = int(res.num_tokens[i])
                 new = res.tokens[i, :k].tolist()
+                lps = self._logprobs(s, lg[lp_row:lp_row + k], new)
+                lp_row += n
                 s.accepted += int(res.accepted[i])
                 s.admitted += s.ell
                 s.verify_steps += 1
@@ -351,7 +374,7 @@ class Engine:
                 pos0 = s.n_cached
                 s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
                 writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
-                self._commit(s, new, bool(res.stopped[i]))
+                self._commit(s, new, bool(res.stopped[i]), lps)
                 if not self._done(s):
                     draft_seqs.append(s)
         # -- prefill chunks -----------------------------------------------------------------------
@@ -363,12 +386,13 @@ class Engine:
                 first.append((s, logits_at[o + n - 1]))
         if first:
             seqs = [s for s, _ in first]
-            lg = out.logits[[i for _, i in first]]
+            lg = self._process_target(out.logits[[i for _, i in first]], seqs, [[0]] * len(seqs))
             res = acc.verify(lg, self._block(seqs), torch.zeros(len(seqs), dtype=torch.long), self._params(seqs),
                              self._sampler(seqs), self._stop_ids(seqs), torch.tensor([s.req.max_tokens for s in seqs]))
             for i, s in enumerate(seqs):
                 s.first_token_time = time.monotonic()
-                self._commit(s, res.tokens[i, :1].tolist(), bool(res.stopped[i]))
+                new = res.tokens[i, :1].tolist()
+                self._commit(s, new, bool(res.stopped[i]), self._logprobs(s, lg[i:i + 1], new))
                 if not self._done(s):
                     draft_seqs.append(s)
         finished = [s for s in self.running if self._done(s)]
@@ -394,7 +418,7 @@ class Engine:
         d = self.runner.drafter
         anchors = torch.tensor([a for _, _, a in items], dtype=torch.long)
         block = acc.markov_draft(out.base_logits, anchors, lambda prev: d.markov(prev)[0], self._params(seqs),
-                                 self._sampler(seqs))
+                                 self._sampler(seqs), logit_fn=self._draft_logit_fn(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
         conf_logits = self._confidence_logits(out, block)
@@ -430,13 +454,85 @@ class Engine:
         z = torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G else torch.zeros(len(seqs), 0, V)
         return acc.DraftBlock(tokens=t, prev=pv, q_token=q, z=z)
 
+    # ---- logit processing shared by drafts and verification ---------------------------------------
+    def _process_target(self, logits: torch.Tensor, seqs: list[_Seq], positions: list[list[int]]) -> torch.Tensor:
+        """The target's logit processors on verify rows: request i's rows predict its output tokens
+        positions[i] (rows in request order); row j of a decoding request follows its committed
+        output and its first j admitted drafts. The draft slots that predict the same positions go
+        through the same function (_draft_logit_fn), which keeps DSpark lossless under them."""
+        if not self._processed(seqs):
+            return logits
+        counts = [len(p) for p in positions]
+        if any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs):
+            rows = []
+            for s, ps in zip(seqs, positions):
+                base = self._output_counts(s)
+                drafts = s.draft[0][: len(ps) - 1] if len(ps) > 1 else torch.zeros(0, dtype=torch.long)
+                before = torch.nn.functional.one_hot(drafts, base.shape[0]).cumsum(0).to(base.dtype)
+                rows.append(torch.cat([base.unsqueeze(0), base + before], 0)[: len(ps)])
+            rep = torch.tensor(counts)
+            logits = apply_penalties(logits, torch.cat(rows, 0),
+                                     torch.tensor([s.req.frequency_penalty for s in seqs]).repeat_interleave(rep),
+                                     torch.tensor([s.req.presence_penalty for s in seqs]).repeat_interleave(rep))
+        if any(s.req.min_tokens for s in seqs):
+            stop = self._stop_ids(seqs).repeat_interleave(torch.tensor(counts), 0)
+            active = torch.tensor([pos < s.req.min_tokens for s, ps in zip(seqs, positions) for pos in ps])
+            logits = mask_stop_tokens(logits, stop, active)
+        return logits
+
+    def _draft_logit_fn(self, seqs: list[_Seq]):
+        """Draft slot k of request i predicts its output token n_out + k after its committed output
+        and drafts x_1..x_k: the same processors as the verify row that will check it (None when no
+        request needs any)."""
+        if not self._processed(seqs):
+            return None
+        stop = self._stop_ids(seqs)
+        n_out = torch.tensor([s.n_out for s in seqs])
+        min_tokens = torch.tensor([s.req.min_tokens for s in seqs])
+        penalised = any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+        base = torch.stack([self._output_counts(s) for s in seqs]) if penalised else None
+        freq = torch.tensor([s.req.frequency_penalty for s in seqs])
+        pres = torch.tensor([s.req.presence_penalty for s in seqs])
+
+        def fn(k, z, drafted):
+            if penalised:
+                counts = base + torch.nn.functional.one_hot(drafted, base.shape[1]).sum(1).to(base.dtype)
+                z = apply_penalties(z, counts, freq, pres)
+            return mask_stop_tokens(z, stop, n_out + k < min_tokens)
+
+        return fn
+
+    @staticmethod
+    def _processed(seqs: list[_Seq]) -> bool:
+        return any(s.req.min_tokens or s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+
+    def _output_counts(self, s: _Seq) -> torch.Tensor:
+        """[V] how often each id occurs in the request's generated tokens (the prompt does not count)."""
+        out = torch.tensor(s.tokens[len(s.req.prompt):], dtype=torch.long)
+        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(torch.float64)
+
+    def _logprobs(self, s: _Seq, logits: torch.Tensor, tokens: list[int]) -> list | None:
+        """[logprob, rank, top alternatives] of each committed token under the (processed) target row
+        that produced it: a token from an accepted draft is scored by the verify row that accepted
+        it, exactly as if plain decoding had sampled it."""
+        if s.req.logprobs < 0 or not tokens:
+            return None
+        params = SamplingParams.make(len(tokens), s.req.temperature, s.req.top_k, s.req.top_p)
+        lp, rank, top_ids, top_lp = token_logprobs(logits[:len(tokens)], params, torch.tensor(tokens),
+                                                   s.req.logprobs)
+        out = []
+        for j in range(len(tokens)):
+            alts = [[int(t), float(v)] for t, v in zip(top_ids[j].tolist(), top_lp[j].tolist()) if v > float("-inf")]
+            out.append([float(lp[j]), int(rank[j]), alts])
+        return out
+
     def _stop_ids(self, seqs: list[_Seq]) -> torch.Tensor:
         lists = [list(s.req.stop_token_ids) + ([] if s.req.ignore_eos else [self.mcfg.eos_token_id]) for s in seqs]
         width = max(1, max(len(x) for x in lists))
         return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long)
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _commit(self, s: _Seq, new: list[int], stopped: bool) -> None:
+    def _commit(self, s: _Seq, new: list[int], stopped: bool, logprobs: list | None = None) -> None:
         ctx = s.tokens[max(0, len(s.tokens) - CONTEXT_IDS):]
         s.tokens += new
         s.n_out += len(new)
@@ -450,7 +546,7 @@ class Engine:
         s.finish = reason
         self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),
                                 num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted,
-                                accepted=s.accepted, verify_steps=s.verify_steps))
+                                accepted=s.accepted, verify_steps=s.verify_steps, logprobs=logprobs))
 
     @staticmethod
     def _done(s: _Seq) -> bool:

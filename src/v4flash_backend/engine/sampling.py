@@ -224,3 +224,53 @@ def sample(logits: torch.Tensor, params: SamplingParams, sampler: Optional[Sampl
     ids = (sampler or TorchSampler()).categorical(probs)
     # greedy rows in a mixed batch: the one-hot row already forces argmax; this makes it explicit
     return torch.where(params.greedy.to(ids.device), logits.argmax(-1), ids)
+
+
+# ---- logit processors and log-probabilities ---------------------------------------------------
+# A logit processor changes the target distribution itself (vLLM's logits processors run before
+# temperature / top-k / top-p). DSpark stays lossless only if the draft rows and the verify rows
+# that predict the same output position go through the same processor: the engine applies these
+# functions to both (engine._min_tokens_fn, Engine._step_running), and markov_draft stores the
+# processed draft logits so the residual uses the q the drafts were drawn from.
+
+
+def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_tokens: on rows where `active` [N] is true, the ids of `stop_ids` [N, S] (-1 pads)
+    get logit -inf, so neither EOS nor a stop token id can be generated there. Returns a new tensor."""
+    if not bool(active.any()) or stop_ids.numel() == 0:
+        return logits
+    active = active.to(logits.device)
+    stop_ids = stop_ids.to(logits.device)
+    hit = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    valid = (stop_ids >= 0) & active.unsqueeze(1)
+    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1).expand_as(stop_ids)
+    hit[rows[valid], stop_ids[valid]] = True
+    return logits.masked_fill(hit, float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI / vLLM frequency and presence penalties: logits - frequency * count - presence *
+    [count > 0], per row; counts [N, V] are the row's generated-token counts so far (the prompt does
+    not count), frequency / presence [N]. Before temperature / top-k / top-p, as vLLM applies them."""
+    f = frequency.to(logits.device, logits.dtype).unsqueeze(1)
+    p = presence.to(logits.device, logits.dtype).unsqueeze(1)
+    c = counts.to(logits.device, logits.dtype)
+    return logits - f * c - p * (c > 0).to(logits.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.Tensor, top_n: int = 0):
+    """Log-probabilities of `tokens` [N] under the distribution row r is sampled from:
+    log(process_logits(logits, params)) (after temperature, top-k, top-p). Greedy rows, whose
+    sampling distribution is a point mass, report log_softmax of the logits (T = 1, unfiltered).
+    Returns (logprob [N] fp64, rank [N] (1 = most likely), top_ids [N, top_n], top_logprob [N, top_n]);
+    tokens outside the filtered support of the top_n alternatives have -inf."""
+    x = logits.to(torch.float64)
+    lp = torch.log(process_logits(x, params))
+    greedy = params.greedy.to(x.device)
+    if bool(greedy.any()):
+        lp = torch.where(greedy.unsqueeze(1), torch.log_softmax(x, -1), lp)
+    tok = lp.gather(1, tokens.to(x.device, torch.int64).unsqueeze(1)).squeeze(1)
+    rank = 1 + (lp > tok.unsqueeze(1)).sum(1)
+    top_lp, top_ids = lp.topk(min(top_n, lp.shape[1]), dim=-1) if top_n > 0 else (lp[:, :0], tokens[:, None][:, :0])
+    return tok, rank, top_ids, top_lp

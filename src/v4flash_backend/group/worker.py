@@ -25,12 +25,15 @@ UTF-8, over TCP (127.0.0.1 unless --host says otherwise; rank 0 writes the bound
 the connection that submitted it and is cancelled if that connection closes.
   client -> server
     {"op":"submit","id":ID,"prompt_ids":[int,...],"params":{"max_tokens":int,"temperature":float,
-     "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool}}
+     "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool,
+     "min_tokens":int,"logprobs":int,"frequency_penalty":float,"presence_penalty":float}}
+    (request.GenerateRequest's wire fields)
     {"op":"cancel","id":ID}
     {"op":"health","tag":T}  {"op":"stats","tag":T}  {"op":"shutdown","tag":T}
   server -> client
     {"id":ID,"event":"chunk","token_ids":[..],"context_ids":[..],"finish_reason":null|"stop"|
-     "length"|"cancelled","num_prompt_tokens":n,"num_output_tokens":n,"drafted":n,"accepted":n}
+     "length"|"cancelled","num_prompt_tokens":n,"num_output_tokens":n,"drafted":n,"accepted":n,
+     "logprobs":[[lp,rank,[[id,lp],..]],..] (only when the request asked for log-probs)}
     {"id":ID,"event":"error","code":"INVALID_ARG"|"UNAVAILABLE","message":str}
     {"event":"health"|"stats"|"shutdown","tag":T,...}; a malformed line gets
     {"event":"error","code":"INVALID_ARG","message":..,"tag":T} (with the id when it has one).
@@ -367,9 +370,7 @@ class Server:
         if ev.error is not None:
             c.send({"id": cid, "event": "error", "code": ev.error_code or "UNAVAILABLE", "message": ev.error})
             return
-        c.send({"id": cid, "event": "chunk", "token_ids": list(ev.token_ids), "context_ids": list(ev.context_ids),
-                "finish_reason": ev.finish_reason, "num_prompt_tokens": ev.num_prompt_tokens,
-                "num_output_tokens": ev.num_output_tokens, "drafted": ev.drafted, "accepted": ev.accepted})
+        c.send({"id": cid, **ev.to_wire()})
 
     def fail_all(self, message: str) -> None:
         """Give every request still in flight its final UNAVAILABLE error (shutdown, crash)."""

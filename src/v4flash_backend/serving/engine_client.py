@@ -44,11 +44,7 @@ class EngineClient(Protocol):
 
 def event_dict(ev) -> dict:
     """An engine.Event as a protocol event dict (the same shape rank 0 sends over its socket)."""
-    if ev.error is not None:
-        return {"event": "error", "code": ev.error_code or "INTERNAL", "message": ev.error}
-    return {"event": "chunk", "token_ids": list(ev.token_ids), "context_ids": list(ev.context_ids),
-            "finish_reason": ev.finish_reason, "num_prompt_tokens": ev.num_prompt_tokens,
-            "num_output_tokens": ev.num_output_tokens, "drafted": ev.drafted, "accepted": ev.accepted}
+    return ev.to_wire()
 
 
 def checkpoint_vocab_size(checkpoint_dir) -> int:

@@ -3,7 +3,8 @@ models, on numpy arrays (the model.py files only convert pb_utils tensors).
 
 preprocessing:  text_input  STRING [1]  ->  input_ids  INT32 [-1]
 postprocessing: output_ids INT32 [-1], context_ids INT32 [-1] (optional),
-                finish_reason STRING [-1] (optional)  ->  text_output STRING [1]
+                finish_reason STRING [-1] (optional), text_trim UINT32 [1] (optional)
+                ->  text_output STRING [1]
 
 Both are stateless. The postprocessing step is exact for streams (see detok.py): a
 chunk whose finish_reason is non-empty is the last one and also flushes a trailing
@@ -126,11 +127,16 @@ class Postprocessor:
         output_ids: np.ndarray,
         context_ids: np.ndarray | None = None,
         finish_reason: np.ndarray | None = None,
+        text_trim: np.ndarray | None = None,
     ) -> np.ndarray:
-        """STRING [1] (object array of UTF-8 bytes) holding the chunk's text delta."""
+        """STRING [1] (object array of UTF-8 bytes) holding the chunk's text delta, less its last
+        ``text_trim`` characters (the stop string that ended the request, see serving/stop.py)."""
         final = finish_reason is not None and any(
             len(v) > 0 for v in np.asarray(finish_reason, dtype=object).reshape(-1)
         )
         context = [] if context_ids is None else np.asarray(context_ids).reshape(-1)
         text = self.detok.delta(context, np.asarray(output_ids).reshape(-1), final)
+        trim = 0 if text_trim is None else int(np.asarray(text_trim).reshape(-1)[0])
+        if trim:
+            text = text[:max(0, len(text) - trim)]
         return np.array([text.encode("utf-8")], dtype=np.object_)

@@ -1,10 +1,13 @@
 """Parsing and validating one `v4flash` request (numpy inputs -> `GenerateRequest`).
 
-Inputs (config.pbtxt of model_repository/v4flash; exactly one of the first two):
+Inputs (config.pbtxt of model_repository/v4flash, declared in serving/triton_io.py; exactly one
+of the first two):
   input_ids INT32 [-1] | text_input STRING [1]
   stream BOOL [1], exclude_input_in_output BOOL [1], sampling_parameters STRING [1] (JSON)
   max_tokens INT32 [1], temperature FP32 [1], top_p FP32 [1], top_k INT32 [1],
-  seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1]
+  seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1], min_tokens INT32 [1]
+  stop_words STRING [-1], frequency_penalty / presence_penalty FP32 [1]: TRT-LLM's names
+  return_{finish_reason,cumulative_logprob,logprobs,num_input_tokens,num_output_tokens} BOOL [1]
 
 Sampling values come from, highest priority first: the typed inputs, the
 ``sampling_parameters`` JSON object (vllm_backend's name and format), then the request
@@ -28,10 +31,9 @@ import numpy as np
 
 from v4flash_backend.request import GenerateRequest, invalid
 
-# Keys accepted in sampling_parameters / request parameters, and the JSON type each takes.
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
-                 "min_tokens")
 _UINT64_MAX = 2**64 - 1
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
 
 
 # ---- typed tensors ---------------------------------------------------------------------------
@@ -74,7 +76,17 @@ def _string(arr, name) -> str:
 
 
 # ---- JSON values -----------------------------------------------------------------------------
+# vllm_backend (utils/vllm_backend_utils.py, TritonSamplingParams.from_dict) converts every value
+# by the field's type, so clients send numbers as JSON strings (genai-perf's vllm mode sends
+# {"max_tokens": "64", "min_tokens": "64"}): a string is converted the same way here, and a value
+# that does not convert is an INVALID_ARG naming the key. Booleans are parsed as words ("false" is
+# false; Python's bool("false") in vllm_backend would be true).
 def _json_int(value, name):
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise invalid(f"{name} must be an integer, got {value!r}") from None
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
         raise invalid(f"{name} must be an integer, got {value!r}")
@@ -82,35 +94,106 @@ def _json_int(value, name):
 
 
 def _json_float(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise invalid(f"{name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise invalid(f"{name} must be a number, got {value!r}")
     return float(value)
 
 
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
 def _json_bool(value, name):
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
     if not isinstance(value, bool):
         raise invalid(f"{name} must be true or false, got {value!r}")
     return value
 
 
-def _json_ids(value, name):
+def _json_list(value, name):
+    if isinstance(value, str):  # a list sent as its JSON text, like every other value
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise invalid(f"{name} must be a list, got {value!r}") from None
     if not isinstance(value, list):
-        raise invalid(f"{name} must be a list of token ids, got {value!r}")
-    return [_json_int(v, name) for v in value]
+        raise invalid(f"{name} must be a list, got {value!r}")
+    return value
+
+
+def _json_ids(value, name):
+    return [_json_int(v, name) for v in _json_list(value, name)]
+
+
+def _json_stop(value, name):
+    """vLLM's `stop`: one string or a list of strings."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid(f"{name} must be a string or a list of strings, got {value!r}")
+    return value
+
+
+def _json_one(value, name):
+    if _json_int(value, name) != 1:
+        raise invalid(f"{name} must be 1 (one sequence per request), got {value!r}")
+    return 1
+
+
+def _json_penalty(value, name):
+    v = _json_float(value, name)
+    if not -2.0 <= v <= 2.0:  # the OpenAI range
+        raise invalid(f"{name} must be in [-2, 2], got {value!r}")
+    return v
+
+
+def _json_logit_bias(value, name):
+    if value not in ({}, None, "{}"):
+        raise invalid(f"{name} is not supported, got {value!r}")
+    return None
 
 
 _JSON_PARSERS = {
     "max_tokens": _json_int, "temperature": _json_float, "top_p": _json_float, "top_k": _json_int,
     "seed": _json_int, "stop_token_ids": _json_ids, "ignore_eos": _json_bool,
-    # vLLM's min_tokens, as genai-perf's vllm mode sends it (min_tokens = max_tokens for a fixed
-    # output length): supported as 0 and as max_tokens, which is ignore_eos.
-    "min_tokens": _json_int,
+    "min_tokens": _json_int, "stop": _json_stop, "logprobs": _json_int,
+    # what Triton's OpenAI frontend puts in sampling_parameters for every request (vllm format,
+    # engine/utils/triton.py _create_vllm_generate_request: the OpenAI request's non-None fields)
+    "n": _json_one, "frequency_penalty": _json_penalty, "presence_penalty": _json_penalty,
+    "logit_bias": _json_logit_bias,
 }
+SAMPLING_KEYS = tuple(_JSON_PARSERS)
 _TENSOR_PARSERS = {
     "max_tokens": _int_input, "temperature": _float_input, "top_p": _float_input, "top_k": _int_input,
-    "seed": _int_input, "ignore_eos": _bool_input,
+    "seed": _int_input, "ignore_eos": _bool_input, "min_tokens": _int_input,
     "stop_token_ids": lambda arr, name: [int(v) for v in _check_kind(arr, name, "iu", "INT32").reshape(-1)],
+    # TRT-LLM format (the OpenAI frontend's _create_trtllm_generate_request): stop_words STRING [-1]
+    "stop_words": lambda arr, name: _strings(arr, name),
+    "frequency_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
+    "presence_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
 }
+# BOOL inputs that only ask for outputs this model always sends (vllm_backend's return_* inputs);
+# return_logprobs / return_cumulative_logprob also switch the engine's log-prob computation on.
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                "return_logprobs", "return_cumulative_logprob")
+
+
+def _strings(arr, name) -> list[str]:
+    out = []
+    for value in np.asarray(arr, dtype=object).reshape(-1):
+        if isinstance(value, str):
+            out.append(value)
+            continue
+        try:
+            out.append(bytes(value).decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise invalid(f"{name} is not valid UTF-8: {exc}") from None
+    return out
 
 
 def parse_sampling_json(text: str) -> dict:
@@ -190,10 +273,14 @@ class RequestParser:
             values.update(parse_sampling_json(_string(inputs["sampling_parameters"], "sampling_parameters")))
         for key, parse in _TENSOR_PARSERS.items():
             if key in inputs:
-                values[key] = parse(inputs[key], key)
+                values["stop" if key == "stop_words" else key] = parse(inputs[key], key)
+        flags = {k: _bool_input(inputs[k], k) for k in RETURN_FLAGS if k in inputs}
         req = GenerateRequest(prompt=prompt, prompt_text=prompt_text, stream=stream, echo=echo,
                               max_tokens=self.default_max_tokens)
         self._apply_sampling(req, values)
+        req.return_logprobs = flags.get("return_logprobs", False)
+        if req.logprobs < 0 and (req.return_logprobs or flags.get("return_cumulative_logprob")):
+            req.logprobs = 0  # the sampled token's log-prob only
         return req
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -235,8 +322,19 @@ class RequestParser:
             req.stop_token_ids = tuple(v["stop_token_ids"])
         if "ignore_eos" in v:
             req.ignore_eos = bool(v["ignore_eos"])
-        if v.get("min_tokens"):
-            if v["min_tokens"] != req.max_tokens:
-                raise invalid(f"min_tokens must be 0 or equal to max_tokens ({req.max_tokens}), got "
-                              f"{v['min_tokens']}: the engine stops only at EOS, stop ids or max_tokens")
-            req.ignore_eos = True
+        if "min_tokens" in v:
+            if not 0 <= v["min_tokens"] <= req.max_tokens:
+                raise invalid(f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {v['min_tokens']}")
+            req.min_tokens = v["min_tokens"]
+        if "stop" in v:
+            stops = [t for t in v["stop"] if t]  # an empty string would match everywhere
+            if len(stops) > MAX_STOP_STRINGS or any(len(t) > MAX_STOP_CHARS for t in stops):
+                raise invalid(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+            req.stop = tuple(stops)
+        for key in ("frequency_penalty", "presence_penalty"):
+            if key in v:
+                setattr(req, key, v[key])
+        if "logprobs" in v:
+            if not 0 <= v["logprobs"] <= MAX_LOGPROBS:
+                raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v['logprobs']}")
+            req.logprobs = v["logprobs"]

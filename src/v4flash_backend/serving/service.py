@@ -85,7 +85,12 @@ class GenerateService:
             self._reject(sink, exc, arrival)
             return None
         rid = uuid.uuid4().hex
-        flight = _Flight(rid, req, sink, ResponseBuilder(req, self.detok), arrival)
+        try:
+            builder = ResponseBuilder(req, self.detok)
+        except RequestError as exc:
+            self._reject(sink, exc, arrival)
+            return None
+        flight = _Flight(rid, req, sink, builder, arrival)
         self._add(flight)
         try:
             self.engine.submit(req, rid, lambda ev, rid=rid: self._events.put((rid, ev)))
@@ -235,8 +240,10 @@ class GenerateService:
         if n:
             f.last_token_time = now
         f.drafted, f.accepted = max(f.drafted, drafted), max(f.accepted, accepted)
-        outputs = f.builder.on_chunk(ev)
+        outputs, reason = f.builder.on_chunk(ev)
         if reason:
+            if f.builder.stopped_early:  # a stop string ended it: the engine need not go on
+                self._request_cancel(f)
             self._finish(f, reason, None, outputs)
             return
         if outputs is not None and not f.send_failed:

@@ -23,6 +23,18 @@ INPUTS = (
     ("seed", "TYPE_UINT64", [1], True),
     ("stop_token_ids", "TYPE_INT32", [-1], True),
     ("ignore_eos", "TYPE_BOOL", [1], True),
+    ("min_tokens", "TYPE_INT32", [1], True),
+    # Triton's OpenAI frontend, TRT-LLM format (engine/utils/triton.py,
+    # _create_trtllm_generate_request): stop strings and the frequency / presence penalties
+    ("stop_words", "TYPE_STRING", [-1], True),
+    ("frequency_penalty", "TYPE_FP32", [1], True),
+    ("presence_penalty", "TYPE_FP32", [1], True),
+    # vllm_backend's return_* switches (the frontend sends return_logprobs and return_num_*_tokens)
+    ("return_finish_reason", "TYPE_BOOL", [1], True),
+    ("return_cumulative_logprob", "TYPE_BOOL", [1], True),
+    ("return_logprobs", "TYPE_BOOL", [1], True),
+    ("return_num_input_tokens", "TYPE_BOOL", [1], True),
+    ("return_num_output_tokens", "TYPE_BOOL", [1], True),
 )
 
 # (name, data_type, dims); text_output only in responses to text_input requests.
@@ -34,6 +46,9 @@ OUTPUTS = (
     ("num_output_tokens", "TYPE_UINT32", [-1]),
     ("num_drafted_tokens", "TYPE_UINT32", [1]),
     ("num_accepted_tokens", "TYPE_UINT32", [1]),
+    ("text_trim", "TYPE_UINT32", [1]),
+    ("logprobs", "TYPE_STRING", [-1]),
+    ("cumulative_logprob", "TYPE_FP32", [-1]),
     ("text_output", "TYPE_STRING", [-1]),
 )
 

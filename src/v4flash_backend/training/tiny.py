@@ -131,7 +131,8 @@ def _frozen(name: str) -> bool:
 
 # ---- export --------------------------------------------------------------------------------
 def export(cfg: ModelConfig, masters: dict, tok, out: Path) -> dict:
-    """Write config.json, model.safetensors (official layout) and tokenizer.json into `out`."""
+    """Write config.json, model.safetensors (official layout), tokenizer.json and the Hugging Face
+    tokenizer files (tokenizer_config.json, special_tokens_map.json) into `out`."""
     from v4flash_backend.formats.checkpoint import write_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
@@ -139,6 +140,9 @@ def export(cfg: ModelConfig, masters: dict, tok, out: Path) -> dict:
     write_checkpoint(out, tensors, overwrite=True)
     cfg.to_json(out / "config.json")
     tok.save(str(out / "tokenizer.json"), pretty=False)
+    from .tokenizer import write_hf_tokenizer_files
+
+    write_hf_tokenizer_files(out, cfg.original_seq_len)
     return tensors
 
 

@@ -65,6 +65,30 @@ def save(tok, path: str | Path) -> None:
     tok.save(str(path), pretty=False)
 
 
+def hf_tokenizer_files(model_max_length: int) -> dict[str, dict]:
+    """The files beside tokenizer.json that make the directory a standard Hugging Face tokenizer
+    directory (`AutoTokenizer.from_pretrained(dir)`, which genai-perf's --tokenizer calls).
+
+    transformers' AutoTokenizer reads `tokenizer_class` from tokenizer_config.json; without it,
+    it falls back to AutoConfig on config.json, which fails on the official DeepSeek inference
+    config (no `model_type`). PreTrainedTokenizerFast is the class that wraps a tokenizer.json as
+    is (its post-processor adds BOS, as add_special_tokens=true does in preprocessing); the named
+    special tokens give bos/eos/pad ids 0 / 1 / 2."""
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+              "additional_special_tokens": [IMAGE, NOISE], "model_max_length": int(model_max_length),
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer_config.json": config,
+            "special_tokens_map.json": {**special, "additional_special_tokens": [IMAGE, NOISE]}}
+
+
+def write_hf_tokenizer_files(out: str | Path, model_max_length: int) -> None:
+    import json
+
+    for name, obj in hf_tokenizer_files(model_max_length).items():
+        (Path(out) / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def main(argv=None) -> int:
     import argparse
 
