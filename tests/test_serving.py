@@ -381,6 +381,42 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         svc.close()
 
 
+def test_a_full_engine_queue_is_unavailable_and_counted():
+    """The in-process engine refuses in submit (RequestError UNAVAILABLE): the client gets one
+    FINAL with that code. The queue gauge and the refusal counter follow the engine's stats,
+    across a rank-group restart (its counts start again from 0)."""
+    class FullBackend(ScriptedBackend):
+        stats_reply = {"waiting": 5, "rejected": 2, "expired": 1}
+
+        def submit(self, req, rid, on_event):
+            raise RequestError("server at capacity: 5 requests already waiting", "UNAVAILABLE")
+
+        def stats(self):
+            return dict(super().stats(), **self.stats_reply)
+
+    backend = FullBackend()
+    m = ServingMetrics(FakePb(), "v4flash", "1")
+    svc = _service(backend, m)
+    try:
+        sink = Sink()
+        assert svc.handle({"input_ids": i32(0)}, None, sink) is None
+        [(outputs, err, final)] = sink.wait()
+        assert final and outputs is None and err.code == "UNAVAILABLE" and "at capacity" in err.message
+        assert svc.in_flight() == 0 and m.finished["error"].value == 1
+        deadline = time.monotonic() + 5
+        while m.rejected.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.waiting.value == 5 and m.rejected.value == 2 and m.expired.value == 1
+        backend.stats_reply = {"waiting": 0, "rejected": 1, "expired": 1, "restarts": 1}  # a fresh group
+        deadline = time.monotonic() + 5
+        while m.rejected.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert m.waiting.value == 0 and m.rejected.value == 3 and m.expired.value == 2
+    finally:
+        svc.close()
+
+
 def test_metrics_follow_the_tokens_sent():
     script = lambda req: [_chunk([3], [0]), _chunk([4, 5, 6], [0, 3], drafted=5, accepted=2),  # noqa: E731
                           _chunk([7], [0], "length", drafted=10, accepted=2)]
