@@ -179,6 +179,30 @@ def test_min_tokens_as_genai_perf_sends_it():
         parse({"max_tokens": 7, "min_tokens": 3})
 
 
+def test_empty_text_is_refused_even_when_the_tokenizer_adds_bos():
+    """Decision: "" is not served as a BOS-only prompt (the tokenizer of the embedded model
+    turns "" into [BOS]); a text that tokenizes to BOS + tokens is served as before."""
+    p = parser(tokenize=lambda text: [0] + [ord(c) for c in text])
+    bad({"text_input": np.array([b""], dtype=object)}, "text_input is empty", p=p)
+    assert p.parse({"text_input": np.array([b" "], dtype=object)}).prompt == [0, 32]
+
+
+def test_max_tokens_beyond_max_model_len_is_refused_and_the_default_is_capped():
+    """Decision: an explicit max_tokens that does not fit beside the prompt is INVALID_ARG
+    (typed input, sampling_parameters and request parameters alike), one that just fits is
+    served; the default max_tokens (16 here) is capped to what fits."""
+    p = parser(max_model_len=32)
+    prompt = i32(*range(20))  # room for 12
+    assert p.parse({"input_ids": prompt, "max_tokens": i32(12)}).max_tokens == 12
+    for inputs, params in (({"max_tokens": i32(13)}, None),
+                           ({"sampling_parameters": np.array([b'{"max_tokens": 13}'], dtype=object)}, None),
+                           ({}, json.dumps({"max_tokens": 13}))):
+        bad(dict(inputs, input_ids=prompt), "max_tokens 13 does not fit: the prompt has 20 tokens and "
+            "max_model_len is 32, so at most 12 can be generated", parameters=params, p=p)
+    assert p.parse({"input_ids": prompt}).max_tokens == 12
+    assert p.parse({"input_ids": i32(1, 2)}).max_tokens == 16
+
+
 def test_text_input_needs_a_tokenizer_and_text():
     bad({"text_input": np.array([b"hi"], dtype=object)}, "text_input is not supported")
     p = parser(tokenize=lambda text: [ord(c) for c in text])

@@ -135,9 +135,9 @@ class Engine:
             if len(self.waiting) - len(self.free) >= self.cfg.max_queue_size:
                 self.totals["rejected"] += 1
                 raise RequestError(
-                    f"server at capacity: {len(self.waiting)} requests already waiting for a KV slot "
-                    f"(max_num_seqs={self.cfg.max_num_seqs}, max_queue_size={self.cfg.max_queue_size}); "
-                    "retry later", "UNAVAILABLE")
+                    f"server at capacity: all {self.cfg.max_num_seqs} KV slots are busy and "
+                    f"{self.cfg.max_queue_size} requests are already waiting (max_queue_size); retry later",
+                    "UNAVAILABLE")
             self.waiting.append(r)
             self.totals["requests"] += 1
             self.wakeup.notify()
