@@ -187,6 +187,19 @@ def test_empty_text_is_refused_even_when_the_tokenizer_adds_bos():
     assert p.parse({"text_input": np.array([b" "], dtype=object)}).prompt == [0, 32]
 
 
+def test_the_ensemble_preprocessing_refuses_empty_text_too():
+    """The embedded model's tokenizer makes "" a BOS-only prompt; the v4flash_text ensemble's
+    preprocessing step refuses it like the v4flash model does."""
+    from v4flash_backend.serving.prepost import Preprocessor
+
+    tok = Tokenizer.from_file(str(REPO / "models" / "v4flash-tiny" / "tokenizer.json"))
+    assert tok.encode("").ids == [0]  # what made "" servable before
+    pre = Preprocessor(tok, add_special_tokens=True)
+    with pytest.raises(ValueError, match="text_input is empty"):
+        pre.input_ids(np.array([b""], dtype=object))
+    assert pre.input_ids(np.array([b"hi"], dtype=object)).tolist() == tok.encode("hi").ids
+
+
 def test_max_tokens_beyond_max_model_len_is_refused_and_the_default_is_capped():
     """Decision: an explicit max_tokens that does not fit beside the prompt is INVALID_ARG
     (typed input, sampling_parameters and request parameters alike), one that just fits is
