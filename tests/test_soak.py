@@ -1,0 +1,98 @@
+"""perf/soak.py: its judgement of answers (fast, on made-up records), and a short soak with
+faults against a tritonserver it starts itself on free loopback ports (slow: ~2-3 min on 2
+cores): mixed gRPC/HTTP traffic to both models, cancellations, dropped connections, slow
+readers, malformed requests, bursts above capacity refused with UNAVAILABLE, and one
+rank-group worker SIGKILLed mid-run."""
+
+import importlib.util
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"^soak: seconds=(\d+) requests=(\d+) errors_unexpected=(\d+) lost=(\d+) leaked_slots=(-?\d+) "
+                  r"rss_growth_mib=(-?[\d.]+)$", re.M)
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak", REPO / "perf" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _free_ports(n):
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_the_soak_judges_answers_strictly():
+    soak = _load_soak()
+    s = soak.Soak(SimpleNamespace(seed=0))
+    s.refs[("ids", "v4flash", 0)] = {"ids": [5, 6, 7], "text": ""}
+    R = soak.Rec
+
+    def rec(status="ok", **kw):
+        r = R(kw.pop("kind", "greedy"), "grpc", "v4flash", **kw)
+        r.status = status
+        return r
+
+    ok = rec(ref_key=("ids", "v4flash", 0), ids=[5, 6, 7], finish_reason="length", finals=1)
+    assert s.allowed(ok)
+    assert not s.allowed(rec(ref_key=("ids", "v4flash", 0), ids=[5, 6, 8], finish_reason="length", finals=1))
+    assert not s.allowed(rec(ids=[1], finish_reason="length", finals=1, after_final=1))  # two answers
+    assert not s.allowed(rec(ids=[1], finish_reason="", finals=1))  # a final without a reason
+    capacity = rec("error")
+    capacity.error("[UNAVAILABLE] server at capacity: all 4 KV slots are busy")
+    assert capacity.code == "UNAVAILABLE" and s.allowed(capacity)
+    outage = rec("error")
+    outage.error("[UNAVAILABLE] rank group connection lost")
+    outage.end = outage.start + 1
+    assert not s.allowed(outage)  # no worker was killed: an outage error is unexpected
+    s.kill_t, s.recovered_t = outage.start + 0.5, outage.start + 5
+    assert s.allowed(outage)
+    bad_arg = rec("error", kind="malformed", allowed=frozenset({"INVALID_ARG"}), expect_error=True)
+    bad_arg.error("in ensemble 'v4flash_text', [INVALID_ARG] text_input is empty")
+    assert s.allowed(bad_arg)
+    served = rec(kind="malformed", expect_error=True, ids=[1], finish_reason="length", finals=1)
+    assert not s.allowed(served)  # a malformed request must not be served
+    internal = rec("error")
+    internal.error("[INTERNAL] internal error: boom")
+    assert not s.allowed(internal)
+
+
+@pytest.mark.slow
+def test_a_short_soak_with_a_killed_worker_and_bursts(tmp_path):
+    http, grpc, metrics = _free_ports(3)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "perf" / "soak.py"), "--seconds", "60", "--http-port", str(http),
+                           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--kill-worker", "--start-server",
+                           "--burst-every", "20", "--burst-size", "20", "--concurrency", "4"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    m = LINE.search(proc.stdout)
+    assert m, out[-4000:]
+    seconds, requests, unexpected, lost, leaked, growth = m.groups()
+    assert (int(unexpected), int(lost), int(leaked)) == (0, 0, 0), out[-4000:]
+    assert int(requests) > 20 and float(growth) < 50
+    assert proc.stdout.rstrip().splitlines()[-1] == m.group(0)  # the last line
+    bursts = re.search(r"refused_unavailable=(\d+)", proc.stdout)
+    assert bursts and int(bursts.group(1)) > 0, out[-4000:]
+    assert re.search(r"kill_worker pid=\d+ recovered_s=[\d.]+", proc.stdout), out[-4000:]
+    assert proc.returncode == 0, out[-4000:]
+    print(f"short soak: {time.monotonic() - t0:.0f} s wall, {m.group(0)}")
