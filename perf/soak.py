@@ -232,7 +232,9 @@ class Soak:
                 return rec
             events = 0
             while True:
-                line = resp.fp.readline()
+                # resp.readline decodes the chunked body and returns b"" at its end (the raw
+                # socket would block there: the connection stays open for the next request)
+                line = resp.readline()
                 if not line:
                     break
                 if not line.startswith(b"data: "):
@@ -419,10 +421,19 @@ class Soak:
             self.bursts.append(dict(t=round(recs[0].start - self.t0), size=len(recs), served=served, refused=refused))
 
     def sample_loop(self) -> None:
+        last_print = time.monotonic()
         while True:
             s = process_tree_usage(self.a.http_port)
             if s is not None:
                 self.samples.append((time.monotonic() - self.t0, *s))
+            if time.monotonic() - last_print >= self.a.progress_s and self.samples:
+                last_print = time.monotonic()
+                with self.lock:
+                    n = len(self.recs)
+                    done = sum(1 for r in self.recs if r.end is not None)
+                _, rss, fds, procs = self.samples[-1]
+                print(f"soak: t={time.monotonic() - self.t0:.0f}s requests={n} done={done} rss_mib={rss:.1f} "
+                      f"fds={fds} procs={procs}", flush=True)
             if self.stop.wait(5.0):
                 return
 
@@ -507,8 +518,8 @@ class Soak:
             return True
         if rec.status != "error":
             return False
-        if rec.triton_level:
-            return rec.code is None and (rec.http_status is None or 400 <= rec.http_status < 500)
+        if rec.triton_level:  # Triton's own answer (2.51 gives HTTP 500 for a body it cannot parse)
+            return rec.code is None and (rec.http_status is None or 400 <= rec.http_status < 600)
         if rec.code in rec.allowed:
             return True
         if rec.code == "UNAVAILABLE" and CAPACITY in rec.message and not rec.expect_error:
@@ -695,6 +706,7 @@ def main(argv=None) -> int:
     ap.add_argument("--burst-size", type=int, default=32, help="requests of one burst (above slots + queue)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="no final within this: lost")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress-s", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--start-server", action="store_true",
                     help="serve a temporary copy of model_repository/ (4 slots, queue 4) on the given ports first")
     args = ap.parse_args(argv)
