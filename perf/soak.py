@@ -226,9 +226,21 @@ class Soak:
             conn.request("POST", path, payload, {"Content-Type": "application/json"})
             resp = conn.getresponse()
             rec.http_status = resp.status
-            if not stream:
+            if not stream or resp.status != 200:
+                # a refused generate_stream comes as SSE from the model ("data: {error}", the
+                # status Triton's) but as a plain JSON error when Triton itself refuses it
                 data = resp.read()
-                self._http_answer(rec, data, resp.status)
+                events = [json.loads(x[6:]) for x in data.splitlines() if x.startswith(b"data: ")]
+                if stream and events:
+                    for ev in events:
+                        if rec.finals:
+                            rec.after_final += 1
+                        else:
+                            self._http_event(rec, ev, resp.status)
+                    if not rec.finals:
+                        rec.status, rec.message = "lost", "event stream ended without a final event"
+                else:
+                    self._http_answer(rec, data, resp.status)
                 return rec
             events = 0
             while True:

@@ -4,8 +4,11 @@ cores): mixed gRPC/HTTP traffic to both models, cancellations, dropped connectio
 readers, malformed requests, bursts above capacity refused with UNAVAILABLE, and one
 rank-group worker SIGKILLed mid-run."""
 
+import http.server
 import importlib.util
+import json
 import re
+import threading
 import socket
 import subprocess
 import sys
@@ -74,6 +77,71 @@ def test_the_soak_judges_answers_strictly():
     internal = rec("error")
     internal.error("[INTERNAL] internal error: boom")
     assert not s.allowed(internal)
+
+
+class _Triton(http.server.BaseHTTPRequestHandler):
+    """Answers the way tritonserver 2.51 does: a model's stream as chunked SSE on a connection
+    kept open, a model's refusal as SSE with a 400, Triton's own refusal as plain JSON (500)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _chunked(self, status, chunks):
+        self.send_response(status)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for c in chunks:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        ev = lambda obj: b"data: " + json.dumps(obj).encode() + b"\n\n"  # noqa: E731
+        name = self.path.split("/")[3]  # /v2/models/<name>/generate_stream
+        if name == "ok":
+            self._chunked(200, [ev({"output_ids": [5], "finish_reason": ""}),
+                                ev({"output_ids": [6, 7], "finish_reason": "length"})])
+        elif name == "twice":
+            self._chunked(200, [ev({"output_ids": [5], "finish_reason": "stop"}), ev({"output_ids": [6]})])
+        elif name == "refused":
+            self._chunked(400, [ev({"error": "[INVALID_ARG] text_input is empty"})])
+        elif name == "cut":
+            self._chunked(200, [ev({"output_ids": [5], "finish_reason": ""})])
+        else:
+            body = b'{"error":"failed to parse the request JSON buffer"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+
+def test_the_soak_reads_http_answers_as_triton_sends_them():
+    soak = _load_soak()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Triton)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        s = soak.Soak(SimpleNamespace(seed=0, http_port=srv.server_address[1], request_timeout_s=5.0))
+
+        def run(model, **kw):
+            return s.http(soak.Rec("x", "http", model, **kw), {"input_ids": [1]}, stream=True)
+
+        t0 = time.monotonic()
+        ok = run("ok")
+        assert ok.status == "ok" and ok.ids == [5, 6, 7] and ok.finals == 1 and s.allowed(ok)
+        assert time.monotonic() - t0 < 2  # the end of the chunked body ends the read, not the timeout
+        twice = run("twice")
+        assert twice.after_final == 1 and not s.allowed(twice)
+        refused = run("refused", allowed=frozenset({"INVALID_ARG"}), expect_error=True)
+        assert refused.code == "INVALID_ARG" and s.allowed(refused)
+        triton = run("triton", expect_error=True, triton_level=True)
+        assert triton.status == "error" and triton.http_status == 500 and s.allowed(triton)
+        assert run("cut").status == "lost"
+    finally:
+        srv.shutdown()
 
 
 @pytest.mark.slow
