@@ -318,8 +318,8 @@ class Soak:
         key = ("ids", "v4flash", i)
         if r.random() < 0.6:
             rec = self.add(Rec("greedy", "grpc", "v4flash", ref_key=key))
-            return self.grpc(rec, dict(input_ids=ID_PROMPTS[i], stream=r.random() < 0.6, exclude_input_in_output=exclude,
-                                       max_tokens=GREEDY_MAX_TOKENS))
+            return self.grpc(rec, dict(input_ids=ID_PROMPTS[i], stream=r.random() < 0.6,
+                                       exclude_input_in_output=exclude, max_tokens=GREEDY_MAX_TOKENS))
         rec = self.add(Rec("greedy", "http", "v4flash", ref_key=key))
         stream = r.random() < 0.5
         return self.http(rec, {"input_ids": ID_PROMPTS[i], "max_tokens": GREEDY_MAX_TOKENS, "stream": stream,
@@ -476,13 +476,13 @@ class Soak:
         """Greedy answers of the fixed prompts, one at a time on the idle server."""
         for i, prompt in enumerate(TEXT_PROMPTS):
             for model in ("v4flash", "v4flash_text"):
-                rec = self.grpc(Rec("ref", "grpc", model), dict(prompt=prompt, stream=False, exclude_input_in_output=True,
-                                                                max_tokens=GREEDY_MAX_TOKENS))
+                kw = dict(prompt=prompt, stream=False, exclude_input_in_output=True, max_tokens=GREEDY_MAX_TOKENS)
+                rec = self.grpc(Rec("ref", "grpc", model), kw)
                 assert rec.status == "ok", f"reference run failed: {rec.message}"
                 self.refs[("text", model, i)] = dict(ids=rec.ids, text=rec.text)
         for i, ids in enumerate(ID_PROMPTS):
-            rec = self.grpc(Rec("ref", "grpc", "v4flash"), dict(input_ids=ids, stream=False, exclude_input_in_output=True,
-                                                                max_tokens=GREEDY_MAX_TOKENS))
+            kw = dict(input_ids=ids, stream=False, exclude_input_in_output=True, max_tokens=GREEDY_MAX_TOKENS)
+            rec = self.grpc(Rec("ref", "grpc", "v4flash"), kw)
             assert rec.status == "ok", f"reference run failed: {rec.message}"
             self.refs[("ids", "v4flash", i)] = dict(ids=rec.ids, text=rec.text)
 
@@ -575,7 +575,8 @@ class Soak:
             last = self.samples[-fifth:]
             mean = lambda xs, i: sum(x[i] for x in xs) / len(xs)  # noqa: E731
             growth = mean(last, 1) - mean(warm, 1)
-            print(f"soak: rss_mib warm={mean(warm, 1):.1f} last={mean(last, 1):.1f} max={max(x[1] for x in self.samples):.1f} "
+            print(f"soak: rss_mib warm={mean(warm, 1):.1f} last={mean(last, 1):.1f} "
+                  f"max={max(x[1] for x in self.samples):.1f} "
                   f"fds warm={mean(warm, 2):.0f} last={mean(last, 2):.0f} max={max(x[2] for x in self.samples)} "
                   f"procs={self.samples[-1][3]} samples={n}")
         killed_ok = True
@@ -692,7 +693,8 @@ def start_server(args, root: Path, ready_timeout_s: float = 300.0) -> subprocess
             pass
         if time.monotonic() > deadline:
             stop_server(proc)
-            raise SystemExit(f"soak: tritonserver not ready in {ready_timeout_s:.0f} s; log {root / 'tritonserver.log'}")
+            raise SystemExit(f"soak: tritonserver not ready in {ready_timeout_s:.0f} s; "
+                             f"log {root / 'tritonserver.log'}")
         time.sleep(0.5)
 
 

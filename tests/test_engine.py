@@ -136,7 +136,8 @@ def test_a_full_wait_queue_refuses_at_once_with_unavailable(tiny_model):
         got[r.id] = []
         r.callback = got[r.id].append
         eng.submit(r)
-    with pytest.raises(RequestError, match="server at capacity: all 1 KV slots are busy and 2 requests are already waiting") as e:
+    full = "server at capacity: all 1 KV slots are busy and 2 requests are already waiting"
+    with pytest.raises(RequestError, match=full) as e:
         eng.submit(GenerateRequest(prompt=[0, 9], max_tokens=3))
     assert e.value.code == "UNAVAILABLE"
     st = eng.stats()

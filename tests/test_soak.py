@@ -8,10 +8,10 @@ import http.server
 import importlib.util
 import json
 import re
-import threading
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,7 +155,7 @@ def test_a_short_soak_with_a_killed_worker_and_bursts(tmp_path):
     out = proc.stdout + proc.stderr
     m = LINE.search(proc.stdout)
     assert m, out[-4000:]
-    seconds, requests, unexpected, lost, leaked, growth = m.groups()
+    _, requests, unexpected, lost, leaked, growth = m.groups()
     assert (int(unexpected), int(lost), int(leaked)) == (0, 0, 0), out[-4000:]
     assert int(requests) > 20 and float(growth) < 50
     assert proc.stdout.rstrip().splitlines()[-1] == m.group(0)  # the last line
