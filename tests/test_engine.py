@@ -123,6 +123,48 @@ def test_queue_timeout_is_an_error_not_a_hang(tiny_model):
     eng.submit(GenerateRequest(prompt=[0, 6], max_tokens=5, callback=got.append))
     eng.step()
     assert got and got[-1].error_code == "UNAVAILABLE" and "no free slot" in got[-1].error
+    assert eng.stats()["expired"] == 1
+
+
+def test_a_full_wait_queue_refuses_at_once_with_unavailable(tiny_model):
+    """max_queue_size bounds the requests waiting beyond the free slots: the next one is refused
+    in submit (UNAVAILABLE, 'at capacity'), nothing it held remains, the others complete."""
+    eng = _engine(tiny_model, mode="off", seqs=1, max_queue_size=2)
+    got = {}
+    reqs = [GenerateRequest(prompt=[0, 5 + i], max_tokens=3, ignore_eos=True) for i in range(3)]
+    for r in reqs:  # one for the free slot, two queued
+        got[r.id] = []
+        r.callback = got[r.id].append
+        eng.submit(r)
+    full = "server at capacity: all 1 KV slots are busy and 2 requests are already waiting"
+    with pytest.raises(RequestError, match=full) as e:
+        eng.submit(GenerateRequest(prompt=[0, 9], max_tokens=3))
+    assert e.value.code == "UNAVAILABLE"
+    st = eng.stats()
+    assert st["rejected"] == 1 and st["waiting"] == 3 and st["requests"] == 3
+    eng.step()  # the first takes the slot: still two waiting beyond the (now no) free slots
+    with pytest.raises(RequestError, match="at capacity"):
+        eng.submit(GenerateRequest(prompt=[0, 11], max_tokens=3))
+    while not got[reqs[0].id][-1].final:
+        eng.step()
+    eng.step()  # the second takes the freed slot: one queued place is free again
+    eng.submit(GenerateRequest(prompt=[0, 10], max_tokens=3, callback=lambda ev: None))
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        eng.step()
+    assert all(ev[-1].finish_reason == "length" and sum(e.final for e in ev) == 1 for ev in got.values())
+    st = eng.stats()
+    assert st["rejected"] == 2 and st["waiting"] == 0 and st["slots_in_use"] == 0 and st["finished"] == 4
+
+
+def test_queue_size_zero_still_serves_the_free_slots(tiny_model):
+    eng = _engine(tiny_model, mode="off", seqs=2, max_queue_size=0)
+    eng.submit(GenerateRequest(prompt=[0, 5], max_tokens=2))
+    eng.submit(GenerateRequest(prompt=[0, 6], max_tokens=2))  # a burst onto free slots is not refused
+    with pytest.raises(RequestError, match="at capacity") as e:
+        eng.submit(GenerateRequest(prompt=[0, 7], max_tokens=2))
+    assert e.value.code == "UNAVAILABLE"
 
 
 def test_seeded_sampling_is_batch_independent_without_speculation(tiny_model):

@@ -171,8 +171,10 @@ def test_bad_requests_are_invalid_arg_naming_the_problem(inputs, match):
 
 
 def _parse_json(obj, **inputs):
-    return parser().parse({"input_ids": i32(1), "sampling_parameters": np.array([json.dumps(obj).encode()],
-                                                                                dtype=object), **inputs})
+    # max_model_len 64: room for genai-perf's max_tokens 32 beside the prompt (a max_tokens that does
+    # not fit is refused, tested on its own)
+    return parser(64).parse({"input_ids": i32(1), "sampling_parameters": np.array([json.dumps(obj).encode()],
+                                                                                  dtype=object), **inputs})
 
 
 def test_sampling_values_as_strings_convert_by_type_as_vllm_backend_does():
@@ -228,6 +230,43 @@ def test_openai_frontend_defaults_and_return_flags_are_accepted():
     assert r.stop == ("\n\n", "ö")
     r = _parse_json({"frequency_penalty": "0.5", "presence_penalty": -1})
     assert (r.frequency_penalty, r.presence_penalty) == (0.5, -1.0)
+
+
+def test_empty_text_is_refused_even_when_the_tokenizer_adds_bos():
+    """Decision: "" is not served as a BOS-only prompt (the tokenizer of the embedded model
+    turns "" into [BOS]); a text that tokenizes to BOS + tokens is served as before."""
+    p = parser(tokenize=lambda text: [0] + [ord(c) for c in text])
+    bad({"text_input": np.array([b""], dtype=object)}, "text_input is empty", p=p)
+    assert p.parse({"text_input": np.array([b" "], dtype=object)}).prompt == [0, 32]
+
+
+def test_the_ensemble_preprocessing_refuses_empty_text_too():
+    """The embedded model's tokenizer makes "" a BOS-only prompt; the v4flash_text ensemble's
+    preprocessing step refuses it like the v4flash model does."""
+    from v4flash_backend.serving.prepost import Preprocessor
+
+    tok = Tokenizer.from_file(str(REPO / "models" / "v4flash-tiny" / "tokenizer.json"))
+    assert tok.encode("").ids == [0]  # what made "" servable before
+    pre = Preprocessor(tok, add_special_tokens=True)
+    with pytest.raises(ValueError, match="text_input is empty"):
+        pre.input_ids(np.array([b""], dtype=object))
+    assert pre.input_ids(np.array([b"hi"], dtype=object)).tolist() == tok.encode("hi").ids
+
+
+def test_max_tokens_beyond_max_model_len_is_refused_and_the_default_is_capped():
+    """Decision: an explicit max_tokens that does not fit beside the prompt is INVALID_ARG
+    (typed input, sampling_parameters and request parameters alike), one that just fits is
+    served; the default max_tokens (16 here) is capped to what fits."""
+    p = parser(max_model_len=32)
+    prompt = i32(*range(20))  # room for 12
+    assert p.parse({"input_ids": prompt, "max_tokens": i32(12)}).max_tokens == 12
+    for inputs, params in (({"max_tokens": i32(13)}, None),
+                           ({"sampling_parameters": np.array([b'{"max_tokens": 13}'], dtype=object)}, None),
+                           ({}, json.dumps({"max_tokens": 13}))):
+        bad(dict(inputs, input_ids=prompt), "max_tokens 13 does not fit: the prompt has 20 tokens and "
+            "max_model_len is 32, so at most 12 can be generated", parameters=params, p=p)
+    assert p.parse({"input_ids": prompt}).max_tokens == 12
+    assert p.parse({"input_ids": i32(1, 2)}).max_tokens == 16
 
 
 def test_text_input_needs_a_tokenizer_and_text():
@@ -428,6 +467,42 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         backend.slots = 3
         time.sleep(0.1)
         assert metrics.slots_in_use.value == 3 and metrics.slots_total.value == 4
+    finally:
+        svc.close()
+
+
+def test_a_full_engine_queue_is_unavailable_and_counted():
+    """The in-process engine refuses in submit (RequestError UNAVAILABLE): the client gets one
+    FINAL with that code. The queue gauge and the refusal counter follow the engine's stats,
+    across a rank-group restart (its counts start again from 0)."""
+    class FullBackend(ScriptedBackend):
+        stats_reply = {"waiting": 5, "rejected": 2, "expired": 1}
+
+        def submit(self, req, rid, on_event):
+            raise RequestError("server at capacity: 5 requests already waiting", "UNAVAILABLE")
+
+        def stats(self):
+            return dict(super().stats(), **self.stats_reply)
+
+    backend = FullBackend()
+    m = ServingMetrics(FakePb(), "v4flash", "1")
+    svc = _service(backend, m)
+    try:
+        sink = Sink()
+        assert svc.handle({"input_ids": i32(0)}, None, sink) is None
+        [(outputs, err, final)] = sink.wait()
+        assert final and outputs is None and err.code == "UNAVAILABLE" and "at capacity" in err.message
+        assert svc.in_flight() == 0 and m.finished["error"].value == 1
+        deadline = time.monotonic() + 5
+        while m.rejected.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.waiting.value == 5 and m.rejected.value == 2 and m.expired.value == 1
+        backend.stats_reply = {"waiting": 0, "rejected": 1, "expired": 1, "restarts": 1}  # a fresh group
+        deadline = time.monotonic() + 5
+        while m.rejected.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert m.waiting.value == 0 and m.rejected.value == 3 and m.expired.value == 2
     finally:
         svc.close()
 

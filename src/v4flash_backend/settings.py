@@ -106,6 +106,9 @@ class Settings:
     queue_timeout_s: float = setting(
         120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
         scope="engine", low=0.0)
+    max_queue_size: int = setting(
+        64, "requests that may wait for a KV slot beyond the free ones; one more is refused at once "
+        "with UNAVAILABLE (server at capacity) instead of queueing without bound", scope="engine", low=0)
 
     def __post_init__(self):
         for f in fields(self):

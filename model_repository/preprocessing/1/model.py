@@ -22,6 +22,8 @@ from v4flash_backend.serving.prepost import Preprocessor  # noqa: E402
 
 
 def _invalid_arg(message):
+    # The code leads the message, as in v4flash/1/model.py (Triton 2.51 drops it on the wire).
+    message = f"[INVALID_ARG] {message}"
     code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(error=error)

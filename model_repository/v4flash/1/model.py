@@ -32,8 +32,12 @@ def _log(message):
 
 
 def _error(exc):
+    # The code also leads the message: Triton 2.51 passes only the message on gRPC streams
+    # (ModelStreamInferResponse.error_message), and its HTTP generate endpoints read the
+    # status from an error they have already freed (http_server.cc InferResponseComplete:
+    # AddErrorJson deletes it before HttpCodeFromError), so UNAVAILABLE arrives as 400 there.
     code = getattr(pb_utils.TritonError, exc.code, pb_utils.TritonError.INTERNAL)
-    return pb_utils.TritonError(exc.message, code)
+    return pb_utils.TritonError(f"[{exc.code}] {exc.message}", code)
 
 
 class _Sink:

@@ -110,8 +110,11 @@ class Engine:
         self.wakeup = threading.Condition(self.lock)
         self.cost: StepCost | None = None
         self._skipped = 0  # consecutive steps whose drafts stepped aside
+        # rejected: refused at submit because the wait queue was full; expired: failed after
+        # queue_timeout_s without a slot (both are UNAVAILABLE answers).
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
-                           accepted=0, steps=0, verify_rows=0, draft_skipped=0, draft_probes=0)
+                           accepted=0, steps=0, verify_rows=0, draft_skipped=0, draft_probes=0, rejected=0,
+                           expired=0)
         # per draft position j = 1..gamma: verify rows where draft j was admitted / accepted
         self.admitted_at = [0] * self.gamma
         self.accepted_at = [0] * self.gamma
@@ -155,6 +158,16 @@ class Engine:
     def submit(self, r: GenerateRequest) -> str:
         self.validate(r)
         with self.lock:
+            # Bounded wait queue: requests that a free slot will take at the next step do not
+            # count, so a burst onto an idle engine is not refused; beyond max_queue_size more,
+            # the client hears at once that the server is full (and may retry elsewhere or
+            # later) instead of waiting up to queue_timeout_s while memory grows with the queue.
+            if len(self.waiting) - len(self.free) >= self.cfg.max_queue_size:
+                self.totals["rejected"] += 1
+                raise RequestError(
+                    f"server at capacity: all {self.cfg.max_num_seqs} KV slots are busy and "
+                    f"{self.cfg.max_queue_size} requests are already waiting (max_queue_size); retry later",
+                    "UNAVAILABLE")
             self.waiting.append(r)
             self.totals["requests"] += 1
             self.wakeup.notify()
@@ -298,6 +311,7 @@ class Engine:
             expired = [r for r in self.waiting if now - r.arrival > self.cfg.queue_timeout_s]
             for r in expired:
                 self.waiting.remove(r)
+            self.totals["expired"] += len(expired)
         for r in expired:
             self._emit(r, Event(r.id, [], [], error=f"no free slot within {self.cfg.queue_timeout_s:.0f} s "
                                                     f"(max_num_seqs={self.cfg.max_num_seqs})", error_code="UNAVAILABLE"))

@@ -20,6 +20,11 @@ with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
   v4flash:requests_in_flight            gauge      requests with a FINAL response still to send
   v4flash:kv_slots_in_use               gauge      engine KV slots held (refreshed periodically)
   v4flash:kv_slots_total                gauge      max_num_seqs
+  v4flash:requests_waiting              gauge      requests queued on rank 0 for a KV slot (refreshed
+                                                   with the slot gauges; vLLM's num_requests_waiting)
+  v4flash:requests_rejected_total       counter    requests refused at once because the wait queue
+                                                   was full (UNAVAILABLE, setting max_queue_size)
+  v4flash:requests_expired_total        counter    requests failed after queue_timeout_s without a slot
 """
 
 from __future__ import annotations
@@ -66,6 +71,17 @@ class ServingMetrics:
                                    F.GAUGE).Metric(labels=labels)
         self.slots_total = family("v4flash:kv_slots_total", "Engine KV slots (max_num_seqs)",
                                   F.GAUGE).Metric(labels=labels)
+        self.waiting = family("v4flash:requests_waiting", "Requests waiting on rank 0 for a KV slot",
+                              F.GAUGE).Metric(labels=labels)
+        self.rejected = family("v4flash:requests_rejected_total",
+                               "Requests refused with UNAVAILABLE because the wait queue was full (max_queue_size)",
+                               F.COUNTER).Metric(labels=labels)
+        self.expired = family("v4flash:requests_expired_total",
+                              "Requests failed with UNAVAILABLE after queue_timeout_s without a KV slot",
+                              F.COUNTER).Metric(labels=labels)
+        # the engine's cumulative counts at the last refresh (a new rank group starts from 0)
+        self._engine_counts = {"rejected": 0, "expired": 0}
+        self._engine_epoch = 0
 
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
@@ -105,9 +121,23 @@ class ServingMetrics:
         self.slots_in_use.set(in_use)
         self.slots_total.set(total)
 
+    def set_queue(self, waiting: int, rejected: int, expired: int, epoch: int = 0) -> None:
+        """The engine's queue depth and its cumulative refusal / expiry counts (engine stats);
+        ``epoch`` changes when a new rank group (counting from 0 again) took over."""
+        self.waiting.set(waiting)
+        fresh = epoch != self._engine_epoch
+        self._engine_epoch = epoch
+        for name, total, metric in (("rejected", rejected, self.rejected), ("expired", expired, self.expired)):
+            last = 0 if fresh else self._engine_counts[name]
+            delta = total - last if total >= last else total
+            if delta > 0:
+                metric.increment(delta)
+            self._engine_counts[name] = total
+
     def close(self) -> None:
         # Metric objects must go before their families (the stub refuses otherwise).
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
-                     "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total"):
+                     "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
+                     "rejected", "expired"):
             setattr(self, name, None)
         self._families.clear()

@@ -104,7 +104,8 @@ class Preprocessor:
     def input_ids(self, text_input: np.ndarray) -> np.ndarray:
         """INT32 [n] ids of the one string in ``text_input``; ValueError on bad input."""
         text = _one_string(text_input, "text_input")
-        ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
+        # "" is refused, not served as a BOS-only prompt (the v4flash model's rule, request.py)
+        ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids if text else []
         if not ids:
             raise ValueError("text_input is empty: the prompt needs at least one token")
         return np.asarray(ids, dtype=np.int32)

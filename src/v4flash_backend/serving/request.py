@@ -254,7 +254,9 @@ class RequestParser:
             if self.tokenize is None:
                 raise invalid("text_input is not supported by this model (no tokenizer); send input_ids")
             prompt_text = _string(inputs["text_input"], "text_input")
-            prompt = list(self.tokenize(prompt_text))
+            # Decided: an empty text is refused (as vLLM does) before tokenization, not served
+            # as the BOS-only prompt the tokenizer would make of it.
+            prompt = list(self.tokenize(prompt_text)) if prompt_text else []
             if not prompt:
                 raise invalid("text_input is empty: the prompt needs at least one token")
         self._check_prompt(prompt)
@@ -281,7 +283,20 @@ class RequestParser:
         req.return_logprobs = flags.get("return_logprobs", False)
         if req.logprobs < 0 and (req.return_logprobs or flags.get("return_cumulative_logprob")):
             req.logprobs = 0  # the sampled token's log-prob only
+        self._fit_max_tokens(req, explicit="max_tokens" in values)
         return req
+
+    def _fit_max_tokens(self, req: GenerateRequest, explicit: bool) -> None:
+        """Decided: a max_tokens the client asked for that does not fit in max_model_len beside
+        the prompt is refused (vLLM's rule) rather than cut silently; the default
+        (default_max_tokens) is capped to what fits, as vLLM does when max_tokens is unset."""
+        room = self.max_model_len - len(req.prompt)
+        if req.max_tokens <= room:
+            return
+        if explicit:
+            raise invalid(f"max_tokens {req.max_tokens} does not fit: the prompt has {len(req.prompt)} tokens and "
+                          f"max_model_len is {self.max_model_len}, so at most {room} can be generated")
+        req.max_tokens = room
 
     def _check_prompt(self, prompt: list[int]) -> None:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
