@@ -398,14 +398,15 @@ class StaticDecoder:
 
     # ---- the DSpark graph -----------------------------------------------------------------------------
     def draft(self, taps: torch.Tensor, commit: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
-              anchor: torch.Tensor):
+              anchor: torch.Tensor, greedy: bool = True):
         """Ring writes of the rows the last verify committed, then the draft block.
 
         taps [S*Q, taps*D] (the verify's, bucket layout); commit [S]: rows 0..commit-1 of each
         sequence are committed context (0: nothing to write, e.g. a padding sequence); the block sits
         at positions start + commit .. + B - 1 with `anchor` [S] (the bonus token) first.
         Returns (U [S, B, V] f32, hidden [S, B, D] bf16, greedy ids [S, B+1], greedy corrected logits
-        [S, B, V], confidence logits [S, B]) -- the greedy chain is `DSparkDrafter.greedy_chain`."""
+        [S, B, V], confidence logits [S, B]) -- the greedy chain is `DSparkDrafter.greedy_chain`;
+        greedy=False returns (U, hidden) only."""
         cfg, m, st, d = self.cfg, self.m, self.state, self.drafter
         S = slot.shape[0]
         Q = taps.shape[0] // S
@@ -436,6 +437,8 @@ class StaticDecoder:
         from v4flash_backend.model.dspark import DraftOutput
 
         out = DraftOutput(u.view(S, B, -1), x.view(S, B, -1))
+        if not greedy:  # the served round samples its own chain (static_round.draft_round)
+            return out.base_logits, out.hidden
         g_ids, g_logits, conf = d.greedy_chain(out, anchor)
         return out.base_logits, out.hidden, g_ids, g_logits, conf
 
