@@ -139,6 +139,7 @@ def import_neuron(s: NeuronSettings):
 class CompileStats:
     graphs: int = 0  # graphs handed to the backend (one per bucket and entry point)
     seconds: float = 0.0
+    collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
 
 
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
@@ -157,6 +158,9 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         syncs = graph_host_syncs(gm)
         if syncs:
             raise HostSyncInGraph(f"host syncs in a static graph: {syncs}")
+        from v4flash_backend.parallel.collectives import graph_collectives
+
+        stats.collectives.append(graph_collectives(gm))
         t0 = time.perf_counter()
         out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
@@ -280,6 +284,14 @@ class StaticGraphs:
         bar = _Progress(len(self.buckets), progress)
         t0 = time.perf_counter()
         bar.show(0, "")
+        if self.blocks is not None and self.buckets and self.settings.backend != "none":
+            # one uncompiled padding round first fills the host-side caches of the ops backend and
+            # of DistComm (dequantized weights): traced before that, the graphs would capture the
+            # cache fills and be re-traced once serving has filled them
+            b = self.buckets[0]
+            none = NeuronSettings(backend="none")
+            StaticGraphs(dec, [b], none, blocks=self.blocks).round(b, mode or "off", fixed_len,
+                                                                  self.round_padding(b, stop_width))
         for i, b in enumerate(self.buckets):
             if self.blocks is not None:
                 self.round(b, mode or "off", fixed_len, self.round_padding(b, stop_width))
@@ -320,6 +332,7 @@ class StaticRunner(LocalRunner):
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
                  settings: NeuronSettings | None = None, margin: int = 8):
         super().__init__(model, num_slots + 1, max_len, margin)  # + the scratch slot
+        _settle_weights(model)
         self.G = model.cfg.dspark_block_size or 0
         rows = 1 + self.G
         self.decoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=rows)
@@ -382,6 +395,18 @@ class StaticRunner(LocalRunner):
         rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
         self._count(ctx.total, h2d, self.graphs.executions - before)
         return rows
+
+
+def _settle_weights(model) -> None:
+    """Fill the weight dict's lazy metadata now (expert lists; the stacked expert weights, which
+    replace W's per-expert entries by views): the eager forward would otherwise do it on its first
+    call and change objects the compiled graphs were traced against (a re-trace while serving)."""
+    from v4flash_backend.model.ffn import local_experts, stacked_experts
+
+    prefixes = sorted({k.split(".experts.")[0] for k in model.W if ".experts." in k})
+    for p in prefixes:
+        local_experts(model.W, p)
+        stacked_experts(model.W, p)
 
 
 class _Null:
