@@ -1,0 +1,172 @@
+"""The served static decode round (trn2/static_round.py) commits what eager serving commits.
+
+- The static forms of the sampling functions equal the host forms row by row, bit for bit, given
+  the same counter-based noise (exact equality: same ops on the same values, no tolerance).
+- Engine + StaticRunner (graphs run op by op) gives the same tokens as Engine + LocalRunner, greedy
+  and at T = 0.8 with a seed, in dspark and fixed spec modes, with 2 graph executions and 0 host
+  syncs per decode step; the SPS table is pinned (admission reads it, and a profiled table is a
+  timing, different per run).
+- A spy at the device boundary fails a decode round that moves a weight or cache tensor (negative
+  control: a round patched to read a cache back is caught).
+- Compiled (torch.compile fullgraph, the 'eager' dynamo backend): one graph per entry point, no
+  re-trace while serving, same tokens (slow).
+"""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from v4flash_backend import ops
+from v4flash_backend.engine import dspark_accept as acc
+from v4flash_backend.engine import noise
+from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_static, sps_tensors
+from v4flash_backend.engine.engine import STOP_WIDTH, Engine
+from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.engine.sampling import SamplingParams, process_logits, process_logits_static
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
+from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+
+SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
+PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
+
+
+def test_static_sampling_forms_equal_the_host_forms():
+    g = torch.Generator().manual_seed(0)
+    R, G, V = 3, 5, 50
+    T = torch.tensor([0.8, 0.0, 1.2], dtype=torch.float64)
+    K, P = torch.tensor([0, 0, 10]), torch.tensor([1.0, 1.0, 0.9], dtype=torch.float64)
+    params = SamplingParams(T, K, P)
+    x = torch.randn(R, V, generator=g)
+    assert torch.equal(process_logits(x, params), process_logits_static(x, T, K, P))
+    U, bias = torch.randn(R, G, V, generator=g), torch.randn(V, V, generator=g)
+    seeds, rnd, anchor = torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])
+    b1 = acc.markov_draft(U, anchor, lambda p: bias[p], params, noise.CounterSampler(seeds, rnd, noise.STREAM_DRAFT))
+    u = torch.stack([noise.call_uniforms(seeds, rnd, noise.STREAM_DRAFT, j, None) for j in range(G)], 1)
+    b2 = acc.markov_draft_static(U, anchor, lambda p: bias[p], T, K, P, u)
+    assert torch.equal(b1.tokens, b2.tokens) and torch.equal(b1.q_token, b2.q_token) and torch.equal(b1.z, b2.z)
+    for ell in (torch.tensor([2, 5, 0]), torch.tensor([5, 5, 5]), torch.tensor([0, 0, 0])):
+        lg = torch.randn(R, G + 1, V, generator=g)
+        flat = torch.cat([lg[r, :1 + ell[r]] for r in range(R)])
+        stop, mt = torch.full((R, 8), -1), torch.tensor([100, 3, 100])
+        r1 = acc.verify(flat, b1, ell, params, noise.CounterSampler(seeds, rnd, noise.STREAM_VERIFY), stop, mt)
+        r2 = acc.verify_static(lg, b2.tokens, b2.q_token, b2.z, ell, T, K, P,
+                               noise.call_uniforms(seeds, rnd, noise.STREAM_VERIFY, 0, G),
+                               noise.call_uniforms(seeds, rnd, noise.STREAM_VERIFY, 1, None), stop, mt)
+        for f in ("tokens", "num_tokens", "accepted", "stopped"):
+            assert torch.equal(getattr(r1, f), getattr(r2, f)), f
+    c = torch.rand(4, G, generator=g)
+    live = torch.tensor([True, False, True, True])
+    assert torch.equal(admit(c[live], SPS), admit_static(c, live, pad_sps(sps_tensors(SPS)))[live])
+
+
+def test_noise_is_uniform_and_keyed():
+    u = noise.uniforms(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 1, torch.arange(8))
+    assert u.shape == (2000, 8) and 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01  # 16000 draws: sd of the mean ~0.0023
+    v = noise.uniforms(torch.arange(2000), torch.ones(2000, dtype=torch.long), 1, torch.arange(8))
+    assert not torch.equal(u, v)  # another round, other draws
+
+
+def _run(runner, T, mode, max_tokens=12, seed=7):
+    eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode=mode))
+    eng.sps = SPS
+    ev = eng.run_request(GenerateRequest(prompt=list(PROMPT), max_tokens=max_tokens, temperature=T, seed=seed,
+                                         ignore_eos=True))
+    return [t for e in ev for t in e.token_ids], eng.stats()
+
+
+@pytest.mark.parametrize("mode", ["dspark", "fixed"])
+def test_static_round_serves_the_eager_tokens(tiny_model, mode):
+    for T in (0.0, 0.8):
+        want, est = _run(LocalRunner(tiny_model, 3, 64), T, mode)
+        got, st = _run(StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none")), T, mode)
+        assert got == want and len(got) == 12, (mode, T)
+        assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] >= 2
+        assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
+        assert est["host_syncs_per_step"] > 10  # the eager forward's syncs are seen (not a vacuous counter)
+        assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
+
+
+class BoundarySpy(TorchFunctionMode):
+    """Records every call that moves a tensor across the host/device boundary (.to / .cpu /
+    .cuda / copy_ from another tensor / .numpy / .tolist / .item) and whether that tensor is (a
+    view of) a resident weight or cache tensor."""
+
+    MOVES = {"to", "cpu", "cuda", "copy_", "numpy", "tolist", "item", "detach_", "pin_memory"}
+
+    def __init__(self, resident: list[torch.Tensor]):
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in resident if t.numel()}
+        self.moves: list[tuple[str, bool]] = []
+
+    def _res(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.ptrs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        if name == "to" and not ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
+            name = "to(dtype)"  # a cast, not a move
+        if name in self.MOVES:
+            src = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+            self.moves.append((name, self._res(src)))
+        return func(*args, **kwargs)
+
+
+def _resident(runner) -> list[torch.Tensor]:
+    st = runner.state
+    out = list(runner.model.W.values())
+    for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
+        out += list(d.values())
+    return out + [st.engram_hist, runner.blocks.tokens, runner.blocks.q, runner.blocks.z]
+
+
+def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):
+    sr = StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"))
+    eng = Engine(sr, Settings(max_num_seqs=2, max_model_len=64))
+    eng.sps = SPS
+    eng.submit(GenerateRequest(prompt=list(PROMPT), max_tokens=20, ignore_eos=True))
+    eng.step()  # prefill (eager)
+    eng.step()  # first round (uploads the host-drafted block: not a steady step)
+    spy = BoundarySpy(_resident(sr))
+    with spy:
+        eng.step()
+    assert eng.decode_totals["static_steps"] == 2
+    assert not [m for m in spy.moves if m[1]], spy.moves
+    reads = [m for m in spy.moves if m[0] in ("tolist", "item", "numpy", "cpu")]
+    assert reads == [("tolist", False)]  # the one read-back: committed tokens + counts
+    # negative control: a round that reads a cache back is caught
+    orig = sr.decoder.verify
+
+    def leaky(*a, **k):
+        sr.state.window[0].cpu()
+        return orig(*a, **k)
+
+    monkeypatch.setattr(sr.decoder, "verify", leaky)
+    spy = BoundarySpy(_resident(sr))
+    with spy:
+        eng.step()
+    assert ("cpu", True) in spy.moves
+
+
+@pytest.mark.slow
+def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
+    """torch.compile(fullgraph=True) with the 'eager' dynamo backend (captures the whole graph,
+    then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point,
+    none re-traced while serving, no host sync in a graph (compile_step refuses one)."""
+    ops.set_numerics("exact")
+    sr = StaticRunner(tiny_model, 1, 40, settings=NeuronSettings(backend="eager"))
+    sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
+    assert sr.graphs.stats.graphs == 2
+    eng = Engine(sr, Settings(max_num_seqs=1, max_model_len=40))
+    eng.sps = SPS
+    ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
+    got = [t for e in ev for t in e.token_ids]
+    assert sr.graphs.stats.graphs == 2, "a graph was re-traced while serving"
+    eng2 = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+    eng2.sps = SPS
+    ev2 = eng2.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7,
+                                           ignore_eos=True))
+    assert got == [t for e in ev2 for t in e.token_ids]
+    assert eng.stats()["graphs_per_step"] == 2 and eng.stats()["host_syncs_per_step"] == 0
