@@ -66,6 +66,18 @@ class ServingMetrics:
                                    F.GAUGE).Metric(labels=labels)
         self.slots_total = family("v4flash:kv_slots_total", "Engine KV slots (max_num_seqs)",
                                   F.GAUGE).Metric(labels=labels)
+        # the decode path reports itself (engine stats): averages over decode steps (no prefill rows)
+        self.decode_steps = family("v4flash:decode_steps", "Engine decode steps so far (steps with no prefill rows)",
+                                   F.GAUGE).Metric(labels=labels)
+        self.graphs_per_step = family("v4flash:decode_graph_executions_per_step",
+                                      "Graph executions per decode step (0: the eager op-by-op forward)",
+                                      F.GAUGE).Metric(labels=labels)
+        self.host_syncs_per_step = family("v4flash:decode_host_syncs_per_step",
+                                          "Device-to-host reads per decode step other than the committed tokens",
+                                          F.GAUGE).Metric(labels=labels)
+        self.h2d_bytes_per_step = family("v4flash:decode_host_to_device_bytes_per_step",
+                                         "Host-to-device bytes per decode step (plans, noise keys, uploads)",
+                                         F.GAUGE).Metric(labels=labels)
 
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
@@ -105,9 +117,18 @@ class ServingMetrics:
         self.slots_in_use.set(in_use)
         self.slots_total.set(total)
 
+    def set_decode(self, st: dict) -> None:
+        """The decode-step counters of an engine stats dict (absent keys: left as they are)."""
+        for key, metric in (("decode_steps", self.decode_steps), ("graphs_per_step", self.graphs_per_step),
+                            ("host_syncs_per_step", self.host_syncs_per_step),
+                            ("host_to_device_bytes_per_step", self.h2d_bytes_per_step)):
+            if key in st:
+                metric.set(float(st[key]))
+
     def close(self) -> None:
         # Metric objects must go before their families (the stub refuses otherwise).
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
-                     "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total"):
+                     "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "decode_steps",
+                     "graphs_per_step", "host_syncs_per_step", "h2d_bytes_per_step"):
             setattr(self, name, None)
         self._families.clear()

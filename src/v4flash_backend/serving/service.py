@@ -261,6 +261,7 @@ class GenerateService:
             try:
                 st = self.engine.stats()
                 self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
+                self.metrics.set_decode(st)
                 failed = False
             except Exception as exc:
                 if not failed:  # log once per outage, not twice a second
