@@ -170,3 +170,41 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
                                            ignore_eos=True))
     assert got == [t for e in ev2 for t in e.token_ids]
     assert eng.stats()["graphs_per_step"] == 2 and eng.stats()["host_syncs_per_step"] == 0
+
+
+@pytest.mark.slow
+def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, tmp_path):
+    """torchrun + gloo, W = 2, the round graphs compiled (fullgraph, 'eager' dynamo backend) with the
+    functional collectives inside them: the same tokens as the in-process W = 1 eager engine, greedy
+    and at T = 0.8 with a seed (same pinned SPS table), no graph re-traced while serving, 2 graph
+    executions and 0 host syncs per decode step, the traced collectives counted outside the graphs."""
+    from v4flash_backend.group.rank_group import RankGroup
+
+    sps_path = tmp_path / "sps.json"
+    SPS.save(sps_path)
+    settings = Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
+                        decode_graph="static", graph_backend="eager", sps_path=str(sps_path),
+                        startup_timeout_s=600.0, collective_timeout_s=120.0)
+    reqs = [(PROMPT[:6], 8, 0.0, None), (PROMPT[:6], 8, 0.8, 7)]
+    g = RankGroup.launch(settings)
+    try:
+        got = []
+        for p, k, t, s in reqs:
+            params = {"max_tokens": k, "temperature": t, "ignore_eos": True} | ({"seed": s} if s is not None else {})
+            got.append([i for ev in g.submit(p, params) for i in ev["token_ids"]])
+        st = g.stats()
+    finally:
+        g.shutdown(timeout=60)
+    want = []
+    for p, k, t, s in reqs:
+        eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+        eng.sps = SPS
+        ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
+        want.append([i for e in ev for i in e.token_ids])
+    assert got == want
+    e = st["engine"]
+    assert e["decode_graph"] == "static" and e["static_steps"] == e["decode_steps"] > 0
+    assert e["graphs_compiled"] == 2, "a graph was re-traced while serving (or more than one per entry point)"
+    assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
+    traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
+    assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]

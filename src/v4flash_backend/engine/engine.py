@@ -160,6 +160,7 @@ class Engine:
         dt = dict(self.decode_totals)
         n = dt["decode_steps"]
         d.update(dt, decode_graph=getattr(self.runner, "decode_graph", "eager"),
+                 graphs_compiled=getattr(self.runner, "counters", {}).get("graphs_compiled", 0),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  host_syncs_per_step=dt["host_syncs"] / n if n else 0.0,
                  host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)

@@ -75,6 +75,13 @@ class Collectives:
         self._count(group, "broadcast", t.numel() * t.element_size(), t0)
         return t
 
+    def count_traced(self, counts: dict[str, int]) -> None:
+        """Book the collectives of one compiled-graph execution (calls only: inside a graph they
+        cannot be timed or sized from here), under group 'graph'."""
+        for op, n in counts.items():
+            for d in (self.total, self.step):
+                d[("graph", op)][0] += n
+
     def begin_step(self) -> None:
         self.step = defaultdict(lambda: [0, 0, 0.0])
 

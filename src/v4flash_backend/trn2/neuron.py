@@ -160,14 +160,22 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
             raise HostSyncInGraph(f"host syncs in a static graph: {syncs}")
         from v4flash_backend.parallel.collectives import graph_collectives
 
-        stats.collectives.append(graph_collectives(gm))
+        traced["collectives"] = graph_collectives(gm)
+        stats.collectives.append(traced["collectives"])
         t0 = time.perf_counter()
         out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
         return out
 
-    return torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+    traced: dict = {}
+    compiled = torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
+    return run
 
 
 def decode_buckets(max_num_seqs: int, max_model_len: int, rows: int, min_ctx: int = 256) -> list[Bucket]:
@@ -228,20 +236,30 @@ class StaticGraphs:
                 lambda *a: draft_round(dec, blk, mode, fixed_len, *a), self.settings, self.stats)
         return self._rdraft[key]
 
+    def _ran(self, graph) -> None:
+        """Count one graph execution and the collectives traced into it (counting stays outside
+        the graph: the compile backend listed them, `Collectives.count_traced` books them)."""
+        self.executions += 1
+        counts = getattr(graph, "traced", {}).get("collectives")
+        comm = getattr(getattr(self.decoder, "m", None), "comm", None)
+        if counts and hasattr(comm, "coll"):
+            comm.coll.count_traced(counts)
+
     def round(self, b: Bucket, mode: str, fixed_len: int, x: dict) -> torch.Tensor:
         """One decode round: graph 1, then (with DSpark) graph 2; returns the [S, G+5] read-back."""
         from .static_round import pack
 
-        tokens_out, committed, accepted, stopped, taps = self.round_verify_graph(b)(
+        g1 = self.round_verify_graph(b)
+        tokens_out, committed, accepted, stopped, taps = g1(
             x["slot"], x["start"], x["n"], x["pending"], x["temperature"], x["top_k"], x["top_p"], x["seed"],
             x["rnd"], x["budget"], x["stop_ids"])
-        self.executions += 1
+        self._ran(g1)
         if mode == "off":
             return pack(tokens_out, committed, accepted, stopped, torch.zeros_like(committed))
-        out = self.round_draft_graph(b, mode, fixed_len)(
-            taps, committed, tokens_out, accepted, stopped, x["slot"], x["start"], x["n"], x["temperature"],
-            x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"])
-        self.executions += 1
+        g2 = self.round_draft_graph(b, mode, fixed_len)
+        out = g2(taps, committed, tokens_out, accepted, stopped, x["slot"], x["start"], x["n"], x["temperature"],
+                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"])
+        self._ran(g2)
         return out
 
     def verify_graph(self, b: Bucket):
@@ -394,6 +412,7 @@ class StaticRunner(LocalRunner):
             out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
         rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
         self._count(ctx.total, h2d, self.graphs.executions - before)
+        self.counters["graphs_compiled"] = self.graphs.stats.graphs
         return rows
 
 
