@@ -208,3 +208,29 @@ def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, t
     assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
     traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
     assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
+
+
+def test_place_resident_moves_every_weight_and_cache(golden_dir):
+    """At load, every tensor a decode round reads lives on the rank's device ('meta' stands in for a
+    NeuronCore: moving there keeps shapes, so a forgotten buffer shows up as a CPU tensor)."""
+    from v4flash_backend.model.loading import load_model
+    from v4flash_backend.trn2.neuron import place_resident
+
+    m = load_model(golden_dir)  # its own copy: the session model stays on the CPU
+    sr = StaticRunner(m, 2, 64, settings=NeuronSettings(backend="none"))
+    n = place_resident(sr, "meta")
+    left = [t for t in _resident(sr) if t.device.type != "meta"]
+    assert n > len(m.W) and not left
+    assert all(t.device.type == "meta" for st in m.W.meta["stacked"].values() for t in st)
+
+
+def test_nki_device_args_pass_resident_tensors_and_count_copies(monkeypatch):
+    from v4flash_backend.ops import nki_ops
+
+    resident, host = torch.empty(2, device="meta"), torch.zeros(2)
+    nki_ops.device_copies.clear()
+    out = nki_ops.device_args([resident, host], "k", device_type="meta")
+    assert out[0] is resident and out[1].device.type == "meta" and nki_ops.device_copies == {"k": 1}
+    monkeypatch.setenv("V4FLASH_NKI_STRICT", "1")
+    with pytest.raises(RuntimeError, match="place weights and caches"):
+        nki_ops.device_args([host], "k", device_type="meta")

@@ -585,6 +585,14 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     ns.backend = settings.graph_backend_name
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns)
+    if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
+        from v4flash_backend.ops import nki_ops
+        from v4flash_backend.trn2.neuron import place_resident
+
+        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
+
+        _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
+        os.environ["V4FLASH_NKI_STRICT"] = "1"
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
     t0 = time.monotonic()
     from v4flash_backend.engine.engine import STOP_WIDTH

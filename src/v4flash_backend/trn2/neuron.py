@@ -416,6 +416,42 @@ class StaticRunner(LocalRunner):
         return rows
 
 
+def _move_attrs(obj, device) -> int:
+    """Move every tensor attribute (and every tensor value of a dict attribute) of obj; returns
+    how many tensors it placed."""
+    n = 0
+    for name, v in list(vars(obj).items()):
+        if isinstance(v, torch.Tensor):
+            setattr(obj, name, v.to(device))
+            n += 1
+        elif isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values()):
+            for k in v:
+                v[k] = v[k].to(device)
+            n += len(v)
+    return n
+
+
+def place_resident(runner: "StaticRunner", device) -> int:
+    """Put the rank's weight shard, every per-slot cache (KV rings, compressed KV, index keys,
+    compressor pending rows, DSpark rings, Engram history), the draft blocks and the RoPE / Engram
+    tables on `device` once, at load (the rank's NeuronCore on trn2; 'cpu' here, where it is a
+    no-op). A decode round then moves only its plan in and its committed tokens out. Returns the
+    number of tensors placed."""
+    W = runner.model.W
+    for k in list(W.keys()):
+        W[k] = W[k].to(device)
+    n = len(W)
+    W.meta.pop("stacked", None)  # the stacked experts (W's expert entries are views of them): rebuilt there
+    _settle_weights(runner.model)
+    n += _move_attrs(runner.state, device) + _move_attrs(runner.blocks, device)
+    for rope in list(runner.decoder.ropes.values()) + list(runner.model.ropes.values()):
+        n += _move_attrs(rope, device)
+    hasher = getattr(runner.model, "hasher", None)
+    if hasher is not None and hasattr(hasher, "to"):
+        hasher.to(device)
+    return n
+
+
 def _settle_weights(model) -> None:
     """Fill the weight dict's lazy metadata now (expert lists; the stacked expert weights, which
     replace W's per-expert entries by views): the eager forward would otherwise do it on its first
