@@ -95,3 +95,18 @@ def test_weight_and_kv_bytes_are_plausible(run):
     ctx = data["ctx"]
     comp = sum(ctx // r * rel.head_dim * 2 for r in rel.compress_ratios[:rel.n_layers] if r)
     assert comp < p["kv_bytes_per_rank"] < 1.3 * comp
+
+
+@pytest.mark.slow
+def test_served_counts_equal_the_layout_formula(golden_dir):
+    """The rank group on the static path (W = 2 and 4) performs exactly the collectives per decode
+    round that the layout formula (derived from the config and the placement, not from a run)
+    predicts, with 2 graph executions and 0 host syncs per decode step. A forward that adds or drops
+    a collective, or a step that leaves the graphs, fails here."""
+    from v4flash_backend.config import ModelConfig
+
+    cfg = ModelConfig.from_json(golden_dir)
+    for w in (2, 4):
+        r = tp.served_counts(w, golden_dir)
+        assert r["decode_steps"] >= 2 and r["graphs_per_step"] == 2 and r["host_syncs_per_step"] == 0
+        assert r["collectives"] == tp.layout_counts(cfg, w, r["attn_group"]), w

@@ -234,3 +234,43 @@ def test_nki_device_args_pass_resident_tensors_and_count_copies(monkeypatch):
     monkeypatch.setenv("V4FLASH_NKI_STRICT", "1")
     with pytest.raises(RuntimeError, match="place weights and caches"):
         nki_ops.device_args([host], "k", device_type="meta")
+
+
+@pytest.mark.slow
+def test_generate_step_report_lines(golden_dir, tmp_path):
+    """`generate --step-report`: the last two stdout lines are exactly `ids: ...` and `step-report: ...`;
+    static at W = 1 (through the rank group) gives the eager ids at T = 0.8 with a seed and a shared
+    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 10 syncs)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sps = tmp_path / "sps.json"
+    SPS.save(sps)
+    common = ["--checkpoint", str(golden_dir), "--prompt", "Once upon a time", "--max-tokens", "10",
+              "--temperature", "0.8", "--seed", "7", "--sps-path", str(sps), "--step-report"]
+    lines = {}
+    for mode in ("eager", "static"):
+        out = _cli(common + ["--world-size", "1", "--decode-graph", mode], repo)
+        assert re.fullmatch(r"ids: \d+(,\d+)*", out[-2]), out[-2]
+        m = re.fullmatch(r"step-report: decode_graph=(\w+) world=1 steps=(\d+) graphs_per_step=([\d.]+) "
+                         r"host_syncs_per_step=([\d.]+) host_to_device_bytes_per_step=(\d+)", out[-1])
+        assert m and m.group(1) == mode, out[-1]
+        lines[mode] = (out[-2], m)
+    assert lines["eager"][0] == lines["static"][0] and len(lines["eager"][0].split(",")) == 10
+    e, s = lines["eager"][1], lines["static"][1]
+    assert e.group(2) == s.group(2) and int(s.group(2)) > 0
+    assert float(s.group(3)) == 2 and float(s.group(4)) == 0
+    assert float(e.group(3)) == 0 and float(e.group(4)) > 10
+
+
+def _cli(args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(cwd / "src"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "v4flash_backend", "generate", *args], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.rstrip("\n").split("\n")
