@@ -274,3 +274,50 @@ def _cli(args, cwd):
                          env=env, cwd=cwd, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.rstrip("\n").split("\n")
+
+
+def test_round_and_block_plans_round_trip():
+    from v4flash_backend.group.worker import pack_block, pack_round, unpack_block, unpack_round
+
+    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
+                rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
+                sps=sps_tensors(SPS))
+    back = unpack_round(*pack_round(plan))
+    for k in plan:
+        if k != "sps":
+            assert back[k] == plan[k], k
+    assert torch.equal(back["sps"], pad_sps(plan["sps"]))
+    z = torch.randn(5, 7)
+    block = (torch.tensor([1, 2, 3, 4, 5]), None, torch.rand(5), z)
+    slot, (t, _, q, z2) = unpack_block(*pack_block(3, block))
+    assert slot == 3 and torch.equal(t, block[0]) and torch.equal(q, block[2]) and torch.equal(z2, z)
+
+
+@pytest.mark.parametrize("mode", ["dspark", "off"])
+def test_staggered_batch_switches_between_rounds_and_eager_steps(tiny_model, mode):
+    """Requests arriving while others decode: steps alternate between static rounds and eager
+    mixed steps (draft blocks read back, then uploaded again); every request still gets the tokens
+    of the eager runner (seeded sampling and greedy, different lengths)."""
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=64, spec_mode=mode, prefill_chunk=4))
+        eng.sps = SPS
+        outs = {}
+        reqs = [GenerateRequest(prompt=PROMPT[:n], max_tokens=k, temperature=t, seed=s, ignore_eos=True,
+                                callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids))
+                for i, (n, k, t, s) in enumerate([(9, 14, 0.8, 3), (5, 6, 0.0, None), (7, 9, 0.8, 11)])]
+        eng.submit(reqs[0])
+        for _ in range(4):
+            eng.step()
+        eng.submit(reqs[1])
+        eng.step()
+        eng.submit(reqs[2])
+        while eng.has_work():
+            eng.step()
+        return outs, eng.stats()
+
+    want, est = run(LocalRunner(tiny_model, 4, 64))
+    got, st = run(StaticRunner(tiny_model, 3, 64, settings=NeuronSettings(backend="none")))
+    assert got == want
+    assert 0 < st["static_steps"] < st["steps"]  # both kinds of step happened
+    assert st["host_syncs_per_step"] < 1  # only the read-backs of blocks at eager decode steps

@@ -325,7 +325,7 @@ class Engine:
             sps=sps_tensors(self.ensure_sps()) if self.cfg.spec_mode == "dspark" and self.spec else None)
         out = self.runner.decode_round(plan)  # [S] rows: tokens[G+1], num, accepted, stopped, next ell
         self.totals["steps"] += 1
-        G = self.gamma
+        G = len(out[0]) - 5  # the runner's block size (also with spec_mode off: then ell stays 0)
         for i, s in enumerate(seqs):
             row = out[i]
             k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
