@@ -34,12 +34,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from v4flash_backend import ops
-from v4flash_backend.formats import quant
-from v4flash_backend.model.attention import candidate_blocks, grouped_out, topk_idx
+from v4flash_backend.model import attention as A
+from v4flash_backend.model.attention import grouped_out
 from v4flash_backend.model.ffn import engram, expert, local_experts, route
 from v4flash_backend.model.rope import Rope
 from v4flash_backend.model.transformer import stream_mean
-from v4flash_backend.model.weights import linear
 
 # ---- host-sync detection ------------------------------------------------------------------------
 # Tensor methods / torch functions that read device values on the host (or whose output shape
@@ -307,13 +306,11 @@ class StaticDecoder:
     def _attention(self, layer: int, x: torch.Tensor, geo: _Geometry, shared: dict, ctx: int) -> torch.Tensor:
         W, cfg, st = self.m.W, self.cfg, self.state
         p = f"layers.{layer}.attn"
-        hd, eps, Wn = cfg.head_dim, cfg.norm_eps, cfg.window_size
+        hd = cfg.head_dim
         S, Q = geo.S, geo.Q
         rope = self.ropes[layer]
-        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), geo.flat_pos)
-        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], eps)
-        kv = quant.fp8_act_qdq(rope.apply(kv, geo.flat_pos))
+        qr, q = A.query(W, cfg, p, x, rope, geo.flat_pos)
+        kv = A.window_kv(W, cfg, p, x, rope, geo.flat_pos)
         ring = st.window[layer]
         R = ring.shape[1]
         masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), geo.valid, self.scratch)
@@ -331,8 +328,8 @@ class StaticDecoder:
                 shared["topk"] = cidx
             else:
                 cidx = shared["topk"]
-            if latent is not None:  # RoPE at the group's first position, then fp4 (groups of 16, e4m3 scales)
-                lat = quant.fp4_qdq(rope.apply(latent.flatten(0, 1), (gids * ratio).flatten()), 16, "e4m3")
+            if latent is not None:
+                lat = A.compressed_kv(latent.flatten(0, 1), rope, (gids * ratio).flatten())
                 masked_put(st.ckv[layer], geo.slot[:, None], gids, lat.view(gids.shape + (hd,)), gvalid,
                            self.scratch)
             comp = st.ckv[src][:, :C][geo.slot]  # [S, C, hd]
@@ -349,11 +346,9 @@ class StaticDecoder:
         r = cfg.compress_ratios[layer]
         p = f"layers.{layer}.attn.compressor"
         S, Q = geo.S, geo.Q
-        if r == 1:  # one token per group: no gate, bf16
-            lat = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".norm.weight"], cfg.norm_eps)
-            return lat.view(S, Q, -1), geo.pos, geo.valid
-        kv = linear(W, p + ".wkv", x.float())
-        score = linear(W, p + ".wgate", x.float())
+        if r == 1:
+            return A.compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, geo.valid
+        kv, score = A.compressor_rows(W, p, x)
         ring, sring, R = st.pend_kv[layer], st.pend_score[layer], st.pend_ring[layer]
         masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), geo.valid, self.scratch)
         masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), geo.valid, self.scratch)
@@ -364,9 +359,7 @@ class StaticDecoder:
         gpos = (gids[:, :, None] * r + torch.arange(r)) % R
         sl = geo.slot[:, None, None]
         # invalid groups may pool never-written rows (-inf scores -> NaN); they are never written
-        pooled = ops.softmax_pool(ring[sl, gpos], sring[sl, gpos])
-        lat = ops.rms_norm(pooled.to(torch.bfloat16), W[p + ".norm.weight"], cfg.norm_eps)
-        return lat, gids, gvalid
+        return A.pooled_latent(W, cfg, p, ring[sl, gpos], sring[sl, gpos]), gids, gvalid
 
     def _indexer(self, layer, x, qr, geo: _Geometry, latent, gids, gvalid, shared: dict, C: int):
         """Compressed-slot picks [S, Q, k] (-1 = none) over the first C compressed rows."""
@@ -376,25 +369,15 @@ class StaticDecoder:
         src = cfg.kv_source_of(layer)
         S, Q = geo.S, geo.Q
         rope = self.ropes[layer]
-        if latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
-            k = ops.rms_norm(linear(W, p + ".wk", latent.flatten(0, 1)), W[p + ".k_norm.weight"], cfg.norm_eps)
-            k = quant.fp4_qdq(rope.apply(k, (gids * r).flatten()), 32, "ue8m0")
+        if latent is not None:  # publish index keys of the new groups
+            k = A.index_keys(W, cfg, p, latent.flatten(0, 1), rope, (gids * r).flatten())
             masked_put(st.ik[layer], geo.slot[:, None], gids, k.view(gids.shape + (-1,)), gvalid, self.scratch)
         ihd = cfg.index_head_dim
-        q = linear(W, p + ".wq_b", qr).unflatten(-1, (-1, ihd))
-        q = quant.fp4_qdq(rope.apply(q, geo.flat_pos), 32, "ue8m0")
+        q, w = A.index_query(W, cfg, p, x, qr, rope, geo.flat_pos)
         keys = st.ik[src][:, :C][geo.slot]  # [S, C, ihd]
-        w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
         score = self.m.comm.index_scores(q.view(S, Q, -1, ihd), keys, w.view(S, Q, -1))
         clens = ((geo.pos + 1) // r).unsqueeze(-1)
-        score = score.masked_fill(torch.arange(C) >= clens, -torch.inf)
-        if layer == cfg.candidate_source_layer:
-            shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks,
-                                                    cfg.candidate_block_size)
-        elif 0 <= cfg.candidate_source_layer < layer:
-            score = score.masked_fill(~shared["candidates"], -torch.inf)
-        idx = topk_idx(score, min(cfg.index_topk, C)).sort(dim=-1).values
-        return torch.where(idx < clens, idx, -1)
+        return A.pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, C))
 
     # ---- the DSpark graph -----------------------------------------------------------------------------
     def draft(self, taps: torch.Tensor, commit: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
@@ -444,19 +427,15 @@ class StaticDecoder:
 
     def _stage_kv(self, k: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A DSpark stage's main-KV of rows x (as DSparkDrafter.write_ring / _attention compute it)."""
-        W, cfg = self.m.W, self.cfg
-        p = f"mtp.{k}.attn"
-        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], cfg.norm_eps)
-        return quant.fp8_act_qdq(self.ropes[cfg.n_layers + k].apply(kv, positions))
+        return A.window_kv(self.m.W, self.cfg, f"mtp.{k}.attn", x, self.ropes[self.cfg.n_layers + k], positions)
 
     def _stage_attention(self, k: int, x: torch.Tensor, slot, last, dpos) -> torch.Tensor:
         W, cfg, st = self.m.W, self.cfg, self.state
-        p, hd, eps, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.norm_eps, cfg.window_size, self.B
+        p, hd, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.window_size, self.B
         S = slot.shape[0]
         rope = self.ropes[cfg.n_layers + k]
         flat = dpos.reshape(-1)
-        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), flat)
+        _, q = A.query(W, cfg, p, x, rope, flat)
         kv = self._stage_kv(k, x, flat)
         bank = torch.cat([st.dspark[k][slot], kv.view(S, B, hd)], dim=1)  # [S, win + B, hd]
         # the eager slots: filled ring slots 0..m-1 in slot order, then the whole block (no causal
