@@ -5,6 +5,11 @@ One `step()` is one target forward over a flattened batch: prefill chunks of new
 for each decoding request, [pending token, admitted drafts]. Verification commits tokens
 (losslessly, dspark_accept), the DSpark rings receive the committed rows, the draft stages run on
 [bonus, noise...] and `admit` picks how many drafts each request verifies next step.
+With a runner that has static rounds (decode_graph static), a step with only decode rows runs as
+one `runner.decode_round`: verification, sampling, drafting, confidence and admission inside the
+runner's graphs, the committed tokens the one read-back (`_step_static`). All randomness is
+counter-based (`noise`), keyed by request seed and sampling round, so both kinds of step draw the
+same noise and a request's tokens do not depend on the mode.
 Every request gets exactly one final event (finish_reason stop / length / cancelled, or an
 error), also after errors and cancellations; no slot outlives its request.
 """

@@ -1,6 +1,7 @@
 """The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
 
-Every rank loads its shard (`parallel`) and a `LocalRunner`. Rank 0 owns the request queue, the
+Every rank loads its shard (`parallel`) and a runner: `LocalRunner` (decode_graph eager) or the
+static round graphs' `trn2.neuron.StaticRunner` (decode_graph static; `build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
 > 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
@@ -10,7 +11,10 @@ stay on every rank, which is why ring writes name rows instead of shipping hidde
 Plan layout: int64[size]; header [MAGIC, op, sequence number, body length, a0, a1, a2, a3], then
 the body. FORWARD: a = (T tokens, S segments, L logits rows or -1 'last' / -2 'all' / -3 'none',
 want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes, items); body =
-per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. RESET: a0 = slot.
+per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. ROUND (a static
+decode round, decode_graph static): a = (S, stop width, spec mode, fixed_len); body = `pack_round`'s
+int64 columns, float64 columns as bits, stop ids, the SPS table. LOAD_BLOCK: a host-drafted draft
+block into every rank's per-slot block state (`pack_block`). RESET: a0 = slot.
 GROW: a0 = the new plan size (both sides switch buffers; sizes only grow). NOOP: a heartbeat
 rank 0 sends when idle so followers waiting for a plan never reach the collective timeout; it is
 followed by a one-element world all-reduce (counted as 'heartbeat'), so a rank that hangs while
