@@ -468,7 +468,8 @@ def served_counts(world: int, checkpoint: Path, max_tokens: int = 6) -> dict:
 
     settings = Settings(checkpoint_dir=str(checkpoint), world_size=world, max_num_seqs=1, max_model_len=64,
                         decode_graph="static", spec_mode="fixed", startup_timeout_s=600.0)
-    g = RankGroup.launch(settings)
+    # the boundary spy on every rank's rounds: a round that moves a weight or cache shows up in the stats
+    g = RankGroup.launch(settings, env={"V4FLASH_BOUNDARY_SPY": "1"})
     try:
         for _ in g.submit([0, 17, 250, 33, 901, 12], {"max_tokens": max_tokens, "ignore_eos": True}):
             pass
@@ -480,7 +481,8 @@ def served_counts(world: int, checkpoint: Path, max_tokens: int = 6) -> dict:
             "decode_steps": e["decode_steps"], "graphs_per_step": e["graphs_per_step"],
             "host_syncs_per_step": e["host_syncs_per_step"],
             "host_to_device_bytes_per_step": e["host_to_device_bytes_per_step"],
-            "collectives": {k: v["calls"] for k, v in st["collectives_last_step"].items()}}
+            "collectives": {k: v["calls"] for k, v in st["collectives_last_step"].items()},
+            "boundary_resident_moves": e.get("boundary_resident_moves"), "boundary_reads": e.get("boundary_reads")}
 
 
 def main(argv=None) -> int:

@@ -110,3 +110,5 @@ def test_served_counts_equal_the_layout_formula(golden_dir):
         r = tp.served_counts(w, golden_dir)
         assert r["decode_steps"] >= 2 and r["graphs_per_step"] == 2 and r["host_syncs_per_step"] == 0
         assert r["collectives"] == tp.layout_counts(cfg, w, r["attn_group"]), w
+        # the device-boundary spy ran on rank 0's rounds: no weight / cache moved, one read-back each
+        assert r["boundary_resident_moves"] == 0 and r["boundary_reads"] == r["decode_steps"]

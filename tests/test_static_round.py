@@ -14,7 +14,6 @@
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from v4flash_backend import ops
 from v4flash_backend.engine import dspark_accept as acc
@@ -26,6 +25,7 @@ from v4flash_backend.engine.sampling import SamplingParams, process_logits, proc
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
 from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.static_step import BoundarySpy
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
@@ -88,38 +88,8 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
 
 
-class BoundarySpy(TorchFunctionMode):
-    """Records every call that moves a tensor across the host/device boundary (.to / .cpu /
-    .cuda / copy_ from another tensor / .numpy / .tolist / .item) and whether that tensor is (a
-    view of) a resident weight or cache tensor."""
-
-    MOVES = {"to", "cpu", "cuda", "copy_", "numpy", "tolist", "item", "detach_", "pin_memory"}
-
-    def __init__(self, resident: list[torch.Tensor]):
-        super().__init__()
-        self.ptrs = {t.untyped_storage().data_ptr() for t in resident if t.numel()}
-        self.moves: list[tuple[str, bool]] = []
-
-    def _res(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.ptrs
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        kwargs = kwargs or {}
-        if name == "to" and not ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
-            name = "to(dtype)"  # a cast, not a move
-        if name in self.MOVES:
-            src = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
-            self.moves.append((name, self._res(src)))
-        return func(*args, **kwargs)
-
-
 def _resident(runner) -> list[torch.Tensor]:
-    st = runner.state
-    out = list(runner.model.W.values())
-    for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
-        out += list(d.values())
-    return out + [st.engram_hist, runner.blocks.tokens, runner.blocks.q, runner.blocks.z]
+    return runner.resident_tensors()
 
 
 def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):

@@ -32,6 +32,7 @@ from v4flash_backend import ops
 from v4flash_backend.engine.runner import LocalRunner
 
 from .static_step import (
+    BoundarySpy,
     Bucket,
     HostSyncCounter,
     StaticDecoder,
@@ -360,6 +361,14 @@ class StaticRunner(LocalRunner):
         self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
         self.graphs = StaticGraphs(self.decoder, self.buckets, settings or NeuronSettings(), blocks=self.blocks)
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """What stays on the device: the weights, every per-slot cache, the draft blocks."""
+        st = self.state
+        out = list(self.model.W.values())
+        for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
+            out += list(d.values())
+        return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
+
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         try:
             pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
@@ -407,11 +416,16 @@ class StaticRunner(LocalRunner):
         h2d = sum(t.numel() * t.element_size() for t in x.values())
         counting = self.graphs.settings.backend == "none"  # op by op: watch for syncs (compiled: refused at compile)
         ctx = HostSyncCounter() if counting else _Null()
+        spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
         before = self.graphs.executions
-        with ctx:
+        with spy, ctx:
             out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
-        rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
+            rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
         self._count(ctx.total, h2d, self.graphs.executions - before)
+        if isinstance(spy, BoundarySpy):
+            c = self.counters
+            c["boundary_resident_moves"] = c.get("boundary_resident_moves", 0) + spy.resident_moves
+            c["boundary_reads"] = c.get("boundary_reads", 0) + spy.reads
         self.counters["graphs_compiled"] = self.graphs.stats.graphs
         return rows
 
@@ -466,6 +480,7 @@ def _settle_weights(model) -> None:
 
 class _Null:
     total = 0
+    resident_moves = reads = 0
 
     def __enter__(self):
         return self

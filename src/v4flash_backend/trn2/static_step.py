@@ -72,6 +72,43 @@ class HostSyncCounter(TorchFunctionMode):
         return sum(self.calls.values())
 
 
+class BoundarySpy(TorchFunctionMode):
+    """Records every call that moves a tensor across the host/device boundary (.to(device) / .cpu /
+    .cuda / copy_ from another tensor / .numpy / .tolist / .item) and whether that tensor is (a view
+    of) a resident one (`resident`: the weights and caches). A decode round of the served static path
+    must move no resident tensor and read back only its committed tokens (tests; the worker runs
+    it on every round when V4FLASH_BOUNDARY_SPY=1 and reports the counts in the engine stats)."""
+
+    MOVES = {"to", "cpu", "cuda", "copy_", "numpy", "tolist", "item", "pin_memory"}
+    READS = {"tolist", "item", "numpy", "cpu"}
+
+    def __init__(self, resident):
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in resident if t.numel()}
+        self.moves: list[tuple[str, bool]] = []
+
+    def _res(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.ptrs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        if name == "to" and not ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
+            name = "to(dtype)"  # a cast, not a move
+        if name in self.MOVES:
+            src = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+            self.moves.append((name, self._res(src)))
+        return func(*args, **kwargs)
+
+    @property
+    def resident_moves(self) -> int:
+        return sum(1 for _, r in self.moves if r)
+
+    @property
+    def reads(self) -> int:
+        return sum(1 for n, _ in self.moves if n in self.READS)
+
+
 def graph_host_syncs(gm) -> list[str]:
     """Host syncs left in a captured FX graph. torch.compile(fullgraph=True) raises on a
     data-dependent Python branch or .tolist(), but captures `.item()` and `nonzero` into the graph
