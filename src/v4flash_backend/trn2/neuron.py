@@ -418,8 +418,9 @@ class StaticRunner(LocalRunner):
         ctx = HostSyncCounter() if counting else _Null()
         spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
         before = self.graphs.executions
-        with spy, ctx:
-            out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
+        with spy:
+            with ctx:  # host syncs inside the round (the read-back below is not one)
+                out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
             rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
         self._count(ctx.total, h2d, self.graphs.executions - before)
         if isinstance(spy, BoundarySpy):
