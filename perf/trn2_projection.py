@@ -440,6 +440,30 @@ def served_section(release: ModelConfig, harness: dict) -> dict:
                           "tpot_ms": step / harness["tau"]}}
 
 
+PORT_TTFT_MS_PER_TOKEN = 1.06  # the port's prefill cost per prompt token (borrowed)
+
+
+def project_ttft(eager: dict, release: ModelConfig, hbm_ms: float, step_ms: float, chunk: int = 256,
+                 lengths=(1024, 8192, 32768)) -> list[dict]:
+    """TTFT of an n-token prompt on trn2 with today's prefill: the eager forward per prefill chunk
+    (prefill is not compiled yet), each op-seam call one graph execution (the port's structure),
+    the verify half of the layout's world / 8-rank collectives per chunk, the weights streamed once
+    per chunk (compute assumed hidden), then one decode round. Beside it the port's
+    ceil(n/4096) x F + 1.06 ms/token, with F (its per-segment forward) not known here."""
+    rel = layout_counts(release, CONSTANTS["world"], 8)
+    st = release.n_mtp_layers
+    world_verify = rel["world.all_reduce"] - (1 + st) + 1  # the verify graph's share, plus the head gather
+    attn_verify = rel["attn.all_reduce"] - st
+    chunk_ms = (eager["seam_calls"] * CONSTANTS["graph_ms"] + world_verify * CONSTANTS["world_collective_ms"]
+                + attn_verify * CONSTANTS["group8_collective_ms"] + hbm_ms)
+    out = []
+    for n in lengths:
+        chunks = -(-n // chunk)
+        out.append({"prompt": n, "ours_ms": chunks * chunk_ms + step_ms, "chunks": chunks,
+                    "port_known_ms": PORT_TTFT_MS_PER_TOKEN * n, "port_segments": -(-n // 4096)})
+    return out
+
+
 # ---- counts of a served run (the rank group on the static path) ------------------------------------
 def layout_counts(cfg: ModelConfig, world: int, attn_group: int) -> dict:
     """Collectives of one static decode round (verify graph + DSpark draft graph + the step plan),
@@ -537,6 +561,12 @@ def main(argv=None) -> int:
     if args.served:
         out["served"] = served_section(release, b)
         b = dict(b, **out["served"]["projected"])
+    out["ttft"] = project_ttft(out["eager"], release, b["parts_ms"]["hbm_ms"], b["step_ms"])
+    print("TTFT projection (eager prefill in chunks of 256, each op-seam call a graph; PROJECTION):")
+    for t in out["ttft"]:
+        print(f"  {t['prompt']:>6} tokens: ours ~{t['ours_ms'] / 1e3:.1f} s ({t['chunks']} chunks); port "
+              f"{t['port_segments']} x F + {t['port_known_ms'] / 1e3:.1f} s (F: the port's 4096-token segment "
+              "forward, not known here)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(f"trn2-projection: step_ms={b['step_ms']:.1f} tpot_ms={b['tpot_ms']:.1f} "
