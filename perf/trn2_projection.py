@@ -570,7 +570,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(f"trn2-projection: step_ms={b['step_ms']:.1f} tpot_ms={b['tpot_ms']:.1f} "
-          f"graphs_per_step={b['graphs_per_step']} host_syncs_per_step={b['host_syncs_per_step']} "
+          f"graphs_per_step={b['graphs_per_step']:g} host_syncs_per_step={b['host_syncs_per_step']:g} "
           f"world_allreduce_per_step={b['world_allreduce_per_step']}")
     return 0
 
