@@ -153,6 +153,7 @@ def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, t
     sps_path = tmp_path / "sps.json"
     SPS.save(sps_path)
     settings = Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
+                        prefill_chunk=16,  # one prefill bucket (16 rows): one more compiled graph
                         decode_graph="static", graph_backend="eager", sps_path=str(sps_path),
                         startup_timeout_s=600.0, collective_timeout_s=120.0)
     reqs = [(PROMPT[:6], 8, 0.0, None), (PROMPT[:6], 8, 0.8, 7)]
@@ -175,6 +176,7 @@ def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, t
     e = st["engine"]
     assert e["decode_graph"] == "static" and e["static_steps"] == e["decode_steps"] > 0
     assert e["graphs_compiled"] == 2, "a graph was re-traced while serving (or more than one per entry point)"
+    assert e["prefill_graphs"] == 2  # one prompt chunk per request, through the compiled prefill graph
     assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
     traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
     assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
@@ -291,3 +293,20 @@ def test_staggered_batch_switches_between_rounds_and_eager_steps(tiny_model, mod
     assert got == want
     assert 0 < st["static_steps"] < st["steps"]  # both kinds of step happened
     assert st["host_syncs_per_step"] < 1  # only the read-backs of blocks at eager decode steps
+
+
+def test_prefill_chunks_run_the_prefill_graphs(tiny_model):
+    """Segmented prefill through the prefill graphs (chunks of 16 rows in row buckets 16 / 32; a
+    chunk longer than the rings is covered in test_static_step) gives the eager tokens; a 40-token
+    prompt in chunks of 16 is 3 prefill graph executions."""
+    prompt = [0] + torch.randint(3, 1000, (39,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=96, prefill_chunk=16, spec_mode="fixed"))
+        ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))
+        return [t for e in ev for t in e.token_ids], eng.stats()
+
+    want, _ = run(LocalRunner(tiny_model, 3, 96))
+    got, st = run(StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32))
+    assert got == want and st["prefill_graphs"] == 3
+    assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0

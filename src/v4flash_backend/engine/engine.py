@@ -166,6 +166,7 @@ class Engine:
         n = dt["decode_steps"]
         d.update(dt, decode_graph=getattr(self.runner, "decode_graph", "eager"),
                  graphs_compiled=getattr(self.runner, "counters", {}).get("graphs_compiled", 0),
+                 prefill_graphs=getattr(self.runner, "counters", {}).get("prefill_graphs", 0),
                  boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
                  boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,

@@ -588,7 +588,8 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     ns = NeuronSettings.from_env()
     ns.backend = settings.graph_backend_name
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
-    runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns)
+    runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
+                          prefill_rows=settings.prefill_chunk)
     if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
         from v4flash_backend.ops import nki_ops
         from v4flash_backend.trn2.neuron import place_resident
@@ -603,6 +604,7 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
 
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
                           stop_width=STOP_WIDTH)
+    runner.warm_up_prefill(progress if rank == 0 else None)
     _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
                f"{time.monotonic() - t0:.1f} s")
     return runner

@@ -349,9 +349,10 @@ class StaticRunner(LocalRunner):
     static_rounds = True
 
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
-                 settings: NeuronSettings | None = None, margin: int = 8):
+                 settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0):
         super().__init__(model, num_slots + 1, max_len, margin)  # + the scratch slot
         _settle_weights(model)
+        settings = settings or NeuronSettings()
         self.G = model.cfg.dspark_block_size or 0
         rows = 1 + self.G
         self.decoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=rows)
@@ -359,7 +360,53 @@ class StaticRunner(LocalRunner):
         from .static_round import BlockState
 
         self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
-        self.graphs = StaticGraphs(self.decoder, self.buckets, settings or NeuronSettings(), blocks=self.blocks)
+        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks)
+        # prefill graphs (prefill_rows > 0): one sequence's chunk of up to prefill_rows rows (<= the
+        # port's 4096-token segment), padded into the next power-of-two row bucket
+        self.pgraphs = None
+        if prefill_rows:
+            prefill_rows = min(prefill_rows, 4096)
+            self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=prefill_rows, prefill=True)
+            pb = [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
+                  for L in bucket_sizes(max_len, min(256, max_len))]
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
+        self.counters["prefill_graphs"] = 0
+
+    def warm_up_prefill(self, progress=None) -> None:
+        """Compile every prefill bucket on a padding chunk (it writes nothing)."""
+        if self.pgraphs is None or self.pgraphs.settings.backend == "none":
+            return
+        bar = _Progress(len(self.pgraphs.buckets), progress)
+        for i, b in enumerate(self.pgraphs.buckets):
+            self.pgraphs.verify_graph(b)(*self.pdecoder.padding_plan(1, b.rows))
+            bar.show(i + 1, f"prefill {b}")
+
+    def forward(self, tokens, spec, logits_rows, want_taps):
+        """A step that is one sequence's prefill chunk runs the prefill graph of its bucket (a chunk
+        and the decode rows of other sequences in one step: the eager forward)."""
+        if self.pgraphs is None or len(spec) != 1 or spec[0][0] == self.decoder.scratch:
+            return super().forward(tokens, spec, logits_rows, want_taps)
+        slot, start, n = spec[0]
+        try:
+            b = pick_bucket(self.pgraphs.buckets, 1, n, start + n)
+        except ValueError:
+            return super().forward(tokens, spec, logits_rows, want_taps)
+        from v4flash_backend.model.transformer import StepOutput
+
+        tok = torch.zeros(1, b.rows, dtype=torch.long)
+        tok[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
+        plan = (tok, torch.tensor([slot]), torch.tensor([start]), torch.tensor([n]))
+        before = self.pgraphs.executions
+        logits, taps = self.pgraphs.verify(b, *plan)
+        self.last_taps = taps[:n] if taps is not None else None
+        if isinstance(logits_rows, str):
+            pick = {"all": slice(0, n), "last": slice(n - 1, n), "none": None}[logits_rows]
+        else:
+            pick = torch.as_tensor(logits_rows, dtype=torch.long)
+        out = None if pick is None else logits[pick]
+        self._count(out is not None, sum(t.numel() * 8 for t in plan), self.pgraphs.executions - before)
+        self.counters["prefill_graphs"] += 1
+        return StepOutput(out, self.last_taps if want_taps else None, None)
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """What stays on the device: the weights, every per-slot cache, the draft blocks."""

@@ -228,13 +228,16 @@ class StaticDecoder:
     writes go there. The state's margin must cover the bucket's rows (rings hold window + margin).
     """
 
-    def __init__(self, model, state, scratch: int | None = None, max_rows: int | None = None):
+    def __init__(self, model, state, scratch: int | None = None, max_rows: int | None = None,
+                 prefill: bool = False):
         cfg = model.cfg
         self.m, self.cfg, self.state = model, cfg, state
         self.scratch = state.num_slots - 1 if scratch is None else scratch
         self.B = cfg.dspark_block_size
         self.max_rows = max_rows or (1 + self.B)
-        if self.max_rows > state.margin + 1:
+        # speculative rows may be rejected: their ring writes must not clobber rows a later step
+        # reads. Prefill rows are all committed (prefill=True: any row count).
+        if not prefill and self.max_rows > state.margin + 1:
             raise ValueError(f"{self.max_rows} rows per sequence need a state margin >= {self.max_rows - 1} "
                              f"(rings hold window + margin rows), got {state.margin}")
         if state.reference_quirks:
@@ -335,9 +338,14 @@ class StaticDecoder:
         st, hs = self.state, self.m.hasher
         N, R = self.cfg.engram_max_ngram_size, st.eng_ring
         comp = hs.token_map[tok].view(geo.S, geo.Q)  # ids are validated by the engine, not here
-        masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, geo.valid, self.scratch)
+        # the N - 1 positions before the step from the ring (read before it is written), then the
+        # step's own rows: any row count, and the ring keeps only the last R rows of a long chunk
+        old = st.engram_hist[geo.slot[:, None], (geo.start[:, None] - (N - 1) + torch.arange(N - 1)) % R]
+        span = torch.cat([old, comp], dim=1)  # [S, N-1+Q]: positions start-N+1 ..
         t = geo.pos[:, :, None] - torch.arange(N)
-        win = torch.where(t >= 0, st.engram_hist[geo.slot[:, None, None], t % R], -1)
+        j = (t - (geo.start[:, None, None] - (N - 1))).clamp_min(0)
+        win = torch.where(t >= 0, span.gather(1, j.flatten(1)).view(t.shape), -1)
+        masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, _last_rows(geo, R), self.scratch)
         return hs.hash_windows(win).flatten(0, 1)
 
     def _attention(self, layer: int, x: torch.Tensor, geo: _Geometry, shared: dict, ctx: int) -> torch.Tensor:
@@ -350,8 +358,11 @@ class StaticDecoder:
         kv = A.window_kv(W, cfg, p, x, rope, geo.flat_pos)
         ring = st.window[layer]
         R = ring.shape[1]
-        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), geo.valid, self.scratch)
-        kv_all = ring[geo.slot[:, None], geo.span_pos % R]  # [S, Wn-1+Q, hd]
+        # the span: the window - 1 cached positions before the step (read before the write), then
+        # the step's rows; only the last R rows of a long (prefill) chunk go into the ring
+        old = ring[geo.slot[:, None], geo.span_pos[:, :cfg.window_size - 1] % R]
+        kv_all = torch.cat([old, kv.view(S, Q, hd)], dim=1)  # [S, Wn-1+Q, hd]
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), _last_rows(geo, R), self.scratch)
         idx = geo.widx
         ratio = cfg.compress_ratios[layer]
         if ratio:
@@ -387,16 +398,28 @@ class StaticDecoder:
             return A.compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, geo.valid
         kv, score = A.compressor_rows(W, p, x)
         ring, sring, R = st.pend_kv[layer], st.pend_score[layer], st.pend_ring[layer]
-        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), geo.valid, self.scratch)
-        masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), geo.valid, self.scratch)
+        # the rows of the open group before the step (positions g0 .. start-1, from the pending ring,
+        # read before the write), then the step's rows
+        g0 = (geo.start // r) * r
+        prev = (g0[:, None] + torch.arange(r - 1)) % R
+        span_kv = torch.cat([ring[geo.slot[:, None], prev], kv.view(S, Q, -1)], dim=1)
+        span_sc = torch.cat([sring[geo.slot[:, None], prev], score.view(S, Q, -1)], dim=1)
+        keep = _last_rows(geo, R)
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), keep, self.scratch)
+        masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), keep, self.scratch)
         G = -(-Q // r)  # a step of Q rows completes at most ceil(Q / r) groups
         j = torch.arange(G)
         gids = (geo.start // r)[:, None] + j
         gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
-        gpos = (gids[:, :, None] * r + torch.arange(r)) % R
-        sl = geo.slot[:, None, None]
-        # invalid groups may pool never-written rows (-inf scores -> NaN); they are never written
-        return A.pooled_latent(W, cfg, p, ring[sl, gpos], sring[sl, gpos]), gids, gvalid
+        gp = gids[:, :, None] * r + torch.arange(r)  # [S, G, r] positions of each group's rows
+        st0 = geo.start[:, None, None]
+        idx = torch.where(gp < st0, gp - g0[:, None, None], (r - 1) + gp - st0).clamp(0, r - 2 + Q)
+        flat = idx.flatten(1)
+        d = span_kv.shape[-1]
+        gk = span_kv.gather(1, flat[:, :, None].expand(-1, -1, d)).view(S, G, r, d)
+        gs = span_sc.gather(1, flat[:, :, None].expand(-1, -1, span_sc.shape[-1])).view(S, G, r, -1)
+        # invalid groups pool garbage rows; they are never written
+        return A.pooled_latent(W, cfg, p, gk, gs), gids, gvalid
 
     def _indexer(self, layer, x, qr, geo: _Geometry, latent, gids, gvalid, shared: dict, C: int):
         """Compressed-slot picks [S, Q, k] (-1 = none) over the first C compressed rows."""
@@ -484,6 +507,12 @@ class StaticDecoder:
                             idx[:, None, :].expand(S, B, -1).int(), hd ** -0.5)
         o = rope.apply(o.flatten(0, 1), flat, inverse=True)
         return grouped_out(W, p, cfg, o, self.m.comm)
+
+
+def _last_rows(geo: _Geometry, R: int) -> torch.Tensor:
+    """The valid rows a ring of R rows keeps: the last R of each sequence's step (all of them in a
+    decode step; a long prefill chunk would otherwise write several rows into one ring slot)."""
+    return geo.valid & (geo.pos >= (geo.start + geo.n)[:, None] - R)
 
 
 def _join_slots(widx: torch.Tensor, cidx: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
