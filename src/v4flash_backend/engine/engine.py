@@ -100,6 +100,9 @@ class Engine:
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
+        # held for a whole step: stats() waits for the step in progress, so a client that reads the
+        # stats after its final event sees that step's accounting (the event is sent mid-step)
+        self.step_lock = threading.RLock()
         self.sps: SPSTable | None = None
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
                            accepted=0, steps=0, verify_rows=0)
@@ -157,7 +160,7 @@ class Engine:
         return bool(self.waiting or self.running or self.cancelled)
 
     def stats(self) -> dict:
-        with self.lock:
+        with self.step_lock, self.lock:
             d = dict(self.totals)
             d.update(waiting=len(self.waiting), running=len(self.running),
                      slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
@@ -225,6 +228,10 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
+        with self.step_lock:
+            self._step()
+
+    def _step(self) -> None:
         self._handle_cancellations()
         self._admit_waiting()
         if not self.running:
