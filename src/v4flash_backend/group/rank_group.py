@@ -431,8 +431,9 @@ def add_generate_arguments(parser) -> None:
                         help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
     parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
     parser.add_argument("--sps-path", default=None,
-                        help="DSpark SPS table: loaded if present, else profiled and saved (share it between "
-                             "runs whose sampled tokens should agree: admission depends on it)")
+                        help="DSpark SPS table: loaded if present, else profiled and saved (default: a cache file "
+                             "per checkpoint under ~/.cache/v4flash, so seeded sampled runs agree across W and "
+                             "decode_graph: admission depends on the table)")
     parser.add_argument("--step-report", action="store_true",
                         help="end with the lines 'ids: ...' and 'step-report: ...' (decode-step counts)")
 
@@ -465,7 +466,7 @@ def generate_via_group(args) -> int:
         extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
                                    ("graph_backend", getattr(args, "graph_backend", None)),
                                    ("spec_mode", getattr(args, "spec_mode", None)),
-                                   ("sps_path", getattr(args, "sps_path", None))) if v}
+                                   ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
         settings = Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
                             ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
                             max_model_len=len(prompt) + args.max_tokens + 8, **extra)
@@ -499,6 +500,20 @@ def generate_via_group(args) -> int:
     if report is not None:
         print(step_report_lines(tokens, report, group.info.get("world_size")), end="")
     return 0
+
+
+def default_sps_path(args) -> str:
+    """The CLI's SPS table cache, one per checkpoint and ops backend (not per W or mode): DSpark
+    admission reads the table, which is a timing, so a seeded T > 0 run is reproducible -- across
+    runs, W and decode_graph -- only with the same table. The first run profiles and saves it,
+    later runs load it ($V4FLASH_CACHE_DIR, default ~/.cache/v4flash; --sps-path picks another)."""
+    import hashlib
+    import os
+
+    root = os.environ.get("V4FLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "v4flash")
+    os.makedirs(root, exist_ok=True)
+    key = hashlib.sha1(f"{os.path.realpath(args.checkpoint)}|{getattr(args, 'ops', 'torch')}".encode()).hexdigest()
+    return os.path.join(root, f"sps-{key[:16]}.json")
 
 
 def step_report_lines(tokens, st: dict, world) -> str:
