@@ -124,7 +124,8 @@ def test_engine_feeds_the_head_the_predecessors_and_calibrates_online(tiny_model
     almost never accepted: online calibration must pull position 0's confidence towards 0."""
     from v4flash_backend.engine import dspark_accept as acc
 
-    eng = _engine(tiny_model, step_aside=False)  # calibration alone (stepping aside: tests/test_step_cost.py)
+    eng = _engine(tiny_model, dspark_adaptive=True)
+    eng._drafting_decision = lambda seqs: "draft"  # calibration alone (stepping aside: tests/test_step_cost.py)
     eng.calib.refit_every = 8
     d = eng.runner.drafter
     seen = {}

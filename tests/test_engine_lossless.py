@@ -100,7 +100,7 @@ def exact_laws(model, spec):
 
 def engine_samples(model, seed: int, mutate=None):
     eng = Engine(LocalRunner(model, 9, 24), Settings(max_num_seqs=8, max_model_len=20, spec_mode="dspark",
-                                                    probe_every=4))
+                                                    probe_every=4, dspark_adaptive=True))
     eng.calib.refit_every = 64
     # a step cost under which admit's choices depend on the confidences (flat-ish, no draft cost)
     eng.cost = StepCost(SPSTable(list(range(1, 65)), [1.0 / (1 + 0.04 * b) for b in range(1, 65)]), {1: 1e-4})

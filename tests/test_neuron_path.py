@@ -126,8 +126,9 @@ def test_neuron_imports_stay_on_the_neuron_path():
 
 
 def test_static_runner_drives_the_engine(tiny_model):
-    """Greedy DSpark decoding through the static graphs (run uncompiled: backend 'none') equals the
-    eager runner's tokens exactly ('exact' numerics), with 2 graph executions per decode step."""
+    """Greedy DSpark decoding through the static round graphs (run uncompiled: backend 'none')
+    equals the eager runner's tokens exactly ('exact' numerics), with 2 graph executions per decode
+    step (verify round + draft round); the prefill step runs the eager forward."""
     from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.runner import LocalRunner
     from v4flash_backend.request import GenerateRequest
@@ -139,12 +140,13 @@ def test_static_runner_drives_the_engine(tiny_model):
     def run(runner):
         eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode="fixed", fixed_len=5))
         ev = eng.run_request(GenerateRequest(prompt=list(prompt), max_tokens=10, ignore_eos=True))
-        return [t for e in ev for t in e.token_ids], eng.totals["steps"]
+        return [t for e in ev for t in e.token_ids], eng.totals["steps"], eng.stats()
 
-    want, _ = run(LocalRunner(tiny_model, 3, 64))
+    want, _, _ = run(LocalRunner(tiny_model, 3, 64))
     sr = neuron.StaticRunner(tiny_model, 2, 64, buckets=[Bucket(1, 6, 32), Bucket(1, 6, 64)],
                              settings=neuron.NeuronSettings(backend="none"))
-    got, steps = run(sr)
+    got, steps, st = run(sr)
     assert got == want and len(got) == 10
-    decode_steps = steps - 1  # the first step is the prefill (eager); the last drafts nothing (done)
-    assert decode_steps >= 1 and sr.graphs.executions == 2 * decode_steps - 1
+    decode_steps = steps - 1  # the first step is the prefill (eager)
+    assert decode_steps >= 1 and st["static_steps"] == decode_steps
+    assert sr.graphs.executions == 2 * decode_steps and st["graphs_per_step"] == 2

@@ -95,3 +95,32 @@ def test_weight_and_kv_bytes_are_plausible(run):
     ctx = data["ctx"]
     comp = sum(ctx // r * rel.head_dim * 2 for r in rel.compress_ratios[:rel.n_layers] if r)
     assert comp < p["kv_bytes_per_rank"] < 1.3 * comp
+
+
+@pytest.mark.slow
+def test_served_counts_equal_the_layout_formula(golden_dir):
+    """The rank group on the static path (W = 2 and 4) performs exactly the collectives per decode
+    round that the layout formula (derived from the config and the placement, not from a run)
+    predicts, with 2 graph executions and 0 host syncs per decode step. A forward that adds or drops
+    a collective, or a step that leaves the graphs, fails here."""
+    from v4flash_backend.config import ModelConfig
+
+    cfg = ModelConfig.from_json(golden_dir)
+    for w in (2, 4):
+        r = tp.served_counts(w, golden_dir)
+        assert r["decode_steps"] >= 2 and r["graphs_per_step"] == 2 and r["host_syncs_per_step"] == 0
+        assert r["collectives"] == tp.layout_counts(cfg, w, r["attn_group"]), w
+        # the device-boundary spy ran on rank 0's rounds: no weight / cache moved, one read-back each
+        assert r["boundary_resident_moves"] == 0 and r["boundary_reads"] == r["decode_steps"]
+
+
+def test_ttft_projection_counts_prefill_chunks(run):
+    """TTFT grows with the number of 256-token eager chunks (1k: 4, 8k: 32, 32k: 128) on top of
+    one decode round, and sits beside the port's per-token term (1.06 ms/token)."""
+    stdout, data = run
+    t = {x["prompt"]: x for x in data["ttft"]}
+    assert [t[n]["chunks"] for n in (1024, 8192, 32768)] == [4, 32, 128]
+    per_chunk = (t[8192]["ours_ms"] - t[1024]["ours_ms"]) / 28
+    assert t[32768]["ours_ms"] == pytest.approx(t[1024]["ours_ms"] + 124 * per_chunk)
+    assert t[1024]["ours_ms"] - 4 * per_chunk == pytest.approx(data["dspark"]["projected"]["step_ms"])
+    assert t[8192]["port_known_ms"] == pytest.approx(1.06 * 8192) and "TTFT projection" in stdout

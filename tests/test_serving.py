@@ -393,7 +393,8 @@ class ScriptedBackend:
         self.callbacks[rid](_chunk([], [], "cancelled"))
 
     def stats(self):
-        return {"slots_in_use": self.slots, "slots_total": 4}
+        return {"slots_in_use": self.slots, "slots_total": 4, "decode_steps": 10, "graphs_per_step": 2.0,
+                "host_syncs_per_step": 0.0, "host_to_device_bytes_per_step": 412.0}
 
     def close(self):
         pass
@@ -467,6 +468,8 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         backend.slots = 3
         time.sleep(0.1)
         assert metrics.slots_in_use.value == 3 and metrics.slots_total.value == 4
+        assert metrics.graphs_per_step.value == 2.0 and metrics.host_syncs_per_step.value == 0.0
+        assert metrics.h2d_bytes_per_step.value == 412.0 and metrics.decode_steps.value == 10
     finally:
         svc.close()
 

@@ -264,3 +264,26 @@ def test_compile_checks_catch_host_syncs():
     clean = GraphCounter()
     torch.compile(lambda x: (x * 2).sum(), fullgraph=True, backend=clean)(torch.ones(3))
     assert clean.syncs == []
+
+
+def test_prefill_chunks_through_the_static_step_equal_the_eager_forward(golden_dir):
+    """A long prefill chunk (more rows than every ring: window 8 + margin, pending rows, Engram
+    history) and a second chunk starting mid-group, through `StaticDecoder(prefill=True)`: logits,
+    taps and the whole per-slot state equal the eager forward bit for bit ('exact' numerics)."""
+    ops.set_numerics("exact")
+    cfg = small_config(golden_dir)
+    m = trn2_projection.build_random_model(cfg, golden_dir / "tokenizer.json", seed=5)
+    st = ModelState(cfg, 3, 64)
+    se, ss = copy.deepcopy(st), copy.deepcopy(st)
+    dec = StaticDecoder(m, ss, max_rows=32, prefill=True)
+    seq = _seq(37, 6)
+    for start, n in ((0, 23), (23, 14)):
+        out = m.forward(se, seq[start:start + n], make_segments([(0, start, n)]), logits_rows="all", want_taps=True)
+        tokens = torch.zeros(2, 32, dtype=torch.long)
+        tokens[0, :n] = seq[start:start + n]
+        with HostSyncCounter() as hs:
+            logits, taps = dec.verify(tokens, torch.tensor([0, 2]), torch.tensor([start, 0]), torch.tensor([n, 0]),
+                                      ctx=64)
+        assert hs.total == 0
+        assert torch.equal(logits[:n], out.logits) and torch.equal(taps[:n], out.taps), (start, n)
+        assert _same_state(se, ss) == [], (start, n)

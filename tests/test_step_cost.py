@@ -76,9 +76,9 @@ def _engine(model, **kw):
 
 def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny_model):
     prompt = [0, 5, 6, 7, 8]
-    plain = [t for e in _engine(tiny_model, step_aside=False).run_request(
+    plain = [t for e in _engine(tiny_model).run_request(
         GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True)) for t in e.token_ids]
-    eng = _engine(tiny_model, probe_every=8)
+    eng = _engine(tiny_model, probe_every=8, dspark_adaptive=True)
     eng.cost = flat_cost()  # deterministic decisions (the profile would be taken on a loaded machine)
     ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True))
     st = eng.stats()
@@ -88,13 +88,14 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
 
 
 def test_engine_keeps_drafting_where_drafts_are_accepted():
+    from pathlib import Path
+
     from v4flash_backend import ops
     from v4flash_backend.model.loading import load_model
-    from pathlib import Path
 
     ops.set_numerics("exact")
     model = load_model(Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny")
-    eng = _engine(model)
+    eng = _engine(model, dspark_adaptive=True)
     eng.cost = flat_cost()
     ev = eng.run_request(GenerateRequest(prompt=[0, 263, 1180, 11, 437, 13], max_tokens=40, ignore_eos=True))
     st = eng.stats()

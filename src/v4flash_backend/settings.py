@@ -25,6 +25,9 @@ OPS_BACKENDS = ("torch", "nki", "nki-sim")
 LAUNCHERS = ("torchrun", "inprocess")
 SPEC_MODES = ("dspark", "fixed", "off")
 NUMERICS = ("", "exact", "reference")
+DECODE_GRAPHS = ("", "eager", "static")
+GRAPH_BACKENDS = ("", "none", "eager", "aot_eager", "inductor", "neuron", "neuron_libtorch")
+CPU_DECODE_GRAPH = "eager"  # the CPU default of decode_graph (measured: see the README's static-path section)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -78,6 +81,12 @@ class Settings:
         2.0, "idle plan interval of rank 0 (below half the collective timeout)", scope="group", positive=True)
     plan_size: int = setting(2048, "initial int64 slots of a step plan (grows on demand)", scope="group", low=16)
     threads: int = setting(1, "torch threads per rank", scope="group", low=1)
+    decode_graph: str = setting(
+        "", "decode steps as the static round graphs per bucket (static) or the op-by-op forward (eager); "
+        "empty: static when ops_backend is nki, else " + CPU_DECODE_GRAPH, scope="group", choices=DECODE_GRAPHS)
+    graph_backend: str = setting(
+        "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
+        "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS)
     # ---- engine: rank 0 ------------------------------------------------------------------------
     max_num_seqs: int = setting(8, "KV slots: requests decoded together", scope="engine", low=1)
     max_model_len: int = setting(1024, "prompt + generated tokens per request", scope="engine", low=2)
@@ -92,9 +101,11 @@ class Settings:
         "", "the engine's step-cost profile (forward by B tokens, draft stages by R requests): loaded if "
         "present, else profiled and saved; empty: profile at start",
         scope="engine", path=True)
-    step_aside: bool = setting(
-        True, "skip the draft stages on steps where the expected gain of drafting (observed acceptance, "
-        "profiled step cost) does not pay for them; probe again every probe_every steps", scope="engine")
+    dspark_adaptive: bool = setting(
+        False, "admit with the calibrated confidence head and the whole step's cost, and skip the draft "
+        "stages where drafting does not pay (probing every probe_every steps); eager decode steps only, "
+        "off by default until the static graphs carry it (eager and static serving stay token-identical)",
+        scope="engine")
     probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
                                scope="engine", low=1)
     calibration_online: bool = setting(
@@ -123,6 +134,19 @@ class Settings:
     @property
     def dspark(self) -> bool:
         return self.spec_mode != "off"
+
+    @property
+    def decode_graph_mode(self) -> str:
+        """decode_graph with its default resolved (static on Neuron devices)."""
+        if self.decode_graph:
+            return self.decode_graph
+        return "static" if self.ops_backend == "nki" else CPU_DECODE_GRAPH
+
+    @property
+    def graph_backend_name(self) -> str:
+        if self.graph_backend:
+            return self.graph_backend
+        return "neuron" if self.ops_backend == "nki" else "none"
 
     def replace(self, **changes) -> "Settings":
         return replace(self, **changes)

@@ -251,3 +251,74 @@ def commit_stats(results: Sequence[VerifyResult]) -> dict:
         tot["committed"] += int(r.num_tokens.sum())
         tot["rounds"] += int(r.num_tokens.numel())
     return tot
+
+
+# ---- the static graphs' forms (no host reads, fixed shapes) -----------------------------------------
+# These compute what `markov_draft` / `verify` compute with a Sampler that hands out the uniforms
+# u (noise.CounterSampler does), row by row bit for bit, but over a fixed bucket of S requests with
+# no data-dependent shapes or branches: the decode graphs of trn2/static_round.py run them inside the
+# graph, and tests/test_dspark_lossless.py checks them against the host functions above.
+
+def markov_draft_static(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable[[torch.Tensor], torch.Tensor],
+                        temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        u: torch.Tensor) -> DraftBlock:
+    """`markov_draft` with uniforms u [S, G] (column k: the draw of x_{k+1}). Every row takes the
+    sampling path (greedy rows are one-hot under process_logits, so they draw their argmax)."""
+    from .sampling import categorical_from_uniform, process_logits_static
+
+    S, G, V = U.shape
+    dtype = U.dtype if U.dtype in (torch.float32, torch.float64) else torch.float32
+    prev = anchor.long()
+    toks, prevs, qs, zs = [], [], [], []
+    for k in range(G):
+        z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
+        q = process_logits_static(z, temperature, top_k, top_p)
+        x = categorical_from_uniform(q, u[:, k])
+        toks.append(x)
+        prevs.append(prev)
+        qs.append(q.gather(1, x.unsqueeze(1)).squeeze(1))
+        zs.append(z)
+        prev = x
+    return DraftBlock(tokens=torch.stack(toks, 1), prev=torch.stack(prevs, 1), q_token=torch.stack(qs, 1),
+                      z=torch.stack(zs, 1))
+
+
+def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: torch.Tensor, z: torch.Tensor,
+                  ell: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  u_accept: torch.Tensor, u_final: torch.Tensor, stop_ids: torch.Tensor,
+                  max_tokens: torch.Tensor, residual_eps: float = RESIDUAL_EPS) -> VerifyResult:
+    """`verify` over a bucket: target_logits [S, G+1, V] (row i of request s: the target after
+    x_i; rows > ell[s] are ignored), drafts / q_token [S, G], z [S, G, V], ell [S], params [S],
+    u_accept [S, G] (the bernoulli draws), u_final [S] (the final / residual / bonus draw),
+    stop_ids [S, W] (-1 padded), max_tokens [S]. The residual is computed for every row and
+    selected where a draft was rejected."""
+    from .sampling import categorical_from_uniform, process_logits_static
+
+    S, G1, V = target_logits.shape
+    G = G1 - 1
+    ell = ell.long()
+    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731 - params per verify row
+    probs = process_logits_static(target_logits.reshape(S * G1, V), rep(temperature), rep(top_k),
+                                  rep(top_p)).view(S, G1, V)
+    steps = torch.arange(G1)
+    rows = torch.minimum(steps[None, :], ell[:, None])  # [S, G+1] the clamped verify row of step i
+    in_play = steps[None, :G] < ell[:, None]
+    p_rows = probs.gather(1, rows[:, :G, None].expand(S, G, V))  # p_i for i < G (clamped)
+    p_tok = p_rows.gather(2, drafts.long()[:, :, None]).squeeze(2)
+    q_tok = q_token.to(probs.dtype)
+    accept_prob = torch.clamp(p_tok / q_tok.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
+    accept_prob = torch.where(in_play, accept_prob, torch.zeros_like(accept_prob))
+    acc = (u_accept < accept_prob.to(torch.float64)) & in_play
+    n_acc = torch.cumprod(acc.to(torch.int64), 1).sum(1)
+    final_row = rows.gather(1, n_acc[:, None]).squeeze(1)
+    dist = probs.gather(1, final_row[:, None, None].expand(S, 1, V)).squeeze(1)  # p at the final row
+    k = n_acc.clamp_max(G - 1) if G else n_acc
+    if G:
+        zk = z.gather(1, k[:, None, None].expand(S, 1, V)).squeeze(1)
+        q_rej = process_logits_static(zk, temperature, top_k, top_p)
+        res = torch.clamp(dist - q_rej, min=0.0)
+        mass = res.sum(1, keepdim=True)
+        fixed = torch.where(mass > residual_eps, res / mass.clamp_min(residual_eps), dist)
+        dist = torch.where((n_acc < ell)[:, None], fixed, dist)
+    final = categorical_from_uniform(dist, u_final)
+    return _finish(drafts.long(), n_acc, final, ell, stop_ids, max_tokens)

@@ -217,3 +217,41 @@ def admit_fixed(R: int, n: int, gamma: Optional[int] = None, device=None) -> tor
     if gamma is not None:
         n = min(n, gamma)
     return torch.full((R,), n, dtype=torch.int64, device=device)
+
+
+def sps_tensors(sps: "SPSTable") -> torch.Tensor:
+    """The SPS table as one float64 tensor [2, n] (sizes; smoothed steps/s): an input of the static
+    draft graph, so `admit_static` runs inside it."""
+    return torch.stack([sps._sizes_t.double(), sps._sps_t])
+
+
+def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor) -> torch.Tensor:
+    """`admit` (early stop, extra_tokens 0) over a bucket with no host reads: c [S, gamma]
+    confidences, live [S] bool (the rows admit sees; the others get 0 and do not count in R),
+    sps_t = sps_tensors(table). Row by row equal to admit(c[live], table): the rows that are not
+    live have survival 0, sort behind every live entry and are never admitted, and the j-major
+    tie order among live entries is the same."""
+    c64 = c.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    c64 = torch.where(live[:, None], c64, torch.zeros_like(c64))
+    S, G = c64.shape
+    M = S * G
+    R = live.to(torch.int64).sum()
+    a = torch.cumprod(c64, dim=-1)
+    a_e = a.transpose(0, 1).reshape(M)
+    a_sorted, order = torch.sort(-a_e, stable=True)
+    a_sorted = -a_sorted
+    valid = a_sorted > 0
+    sizes, vals = sps_t[0].long(), sps_t[1]
+    B = R + torch.arange(M + 1)
+    idx = (torch.searchsorted(sizes, B, right=True) - 1).clamp(min=0)
+    bmax = sizes[-1]
+    sps_b = torch.where(B > bmax, vals[-1] * bmax.double() / B.double(), vals[idx])
+    tau = R.double() + torch.cumsum(a_sorted, dim=-1)
+    val = tau * sps_b[1:]
+    base = (R.double() * sps_b[0]).reshape(1)
+    prev = torch.cat([base, val[:-1]])
+    ok = (val > prev) & valid
+    n_adm = torch.cumprod(ok.to(torch.int64), dim=-1).sum()
+    admitted_sorted = torch.arange(M) < n_adm
+    admitted = torch.zeros(M, dtype=torch.bool).scatter(0, order, admitted_sorted)
+    return admitted.reshape(G, S).sum(0)

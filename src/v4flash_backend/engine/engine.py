@@ -5,6 +5,11 @@ One `step()` is one target forward over a flattened batch: prefill chunks of new
 for each decoding request, [pending token, admitted drafts]. Verification commits tokens
 (losslessly, dspark_accept), the DSpark rings receive the committed rows, the draft stages run on
 [bonus, noise...] and `admit` picks how many drafts each request verifies next step.
+With a runner that has static rounds (decode_graph static), a step with only decode rows runs as
+one `runner.decode_round`: verification, sampling, drafting, confidence and admission inside the
+runner's graphs, the committed tokens the one read-back (`_step_static`). All randomness is
+counter-based (`noise`), keyed by request seed and sampling round, so both kinds of step draw the
+same noise and a request's tokens do not depend on the mode.
 Every request gets exactly one final event (finish_reason stop / length / cancelled, or an
 error), also after errors and cancellations; no slot outlives its request.
 """
@@ -23,10 +28,14 @@ from v4flash_backend.settings import Settings
 
 from . import dspark_accept as acc
 from .calibration import Calibration, OnlineCalibrator, regime
-from .dspark_sched import SPSTable, admit, admit_fixed
-from .sampling import (SamplingParams, TorchSampler, apply_penalties, make_generator, mask_stop_tokens,
-                       token_logprobs)
+from .dspark_sched import SPSTable, admit, admit_fixed, sps_tensors
+from .noise import STREAM_DRAFT, STREAM_VERIFY, CounterSampler
+from .sampling import SamplingParams, apply_penalties, mask_stop_tokens, token_logprobs
 from .step_cost import StepCost, affine_checked, drafting_pays, expected_survivals, interleaved_medians
+
+# the draft block of a sequence lives in the runner's per-slot state (a static decode round wrote it)
+ON_DEVICE = "device"
+STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the eager path)
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
 
@@ -81,9 +90,10 @@ class _Seq:
     admitted: int = 0
     accepted: int = 0
     verify_steps: int = 0
-    gen: torch.Generator | None = None
-    draft: tuple | None = None  # (tokens [G], prev [G], q [G], z [G, V]) of this seq's block
-    conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for that block
+    seed: int = 0  # the request's seed (drawn at admission when it gives none): keys its noise
+    rounds: int = 0  # sampling rounds so far (first token, then one per verify): keys its noise
+    draft: tuple | str | None = None  # (tokens [G], prev [G], q [G], z [G, V]) or ON_DEVICE
+    conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for a host-drafted block
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
@@ -102,12 +112,19 @@ class Engine:
             self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
         self.calib = OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online) if self.spec else None
+        # calibrated confidences, draft-cost-aware admission and stepping aside: eager steps only (the
+        # static rounds admit in the graph with the raw head), so a static runner keeps them off and
+        # eager and static serving stay token-identical
+        self.adaptive = self.cfg.dspark_adaptive and not getattr(runner, "static_rounds", False)
         self.free = list(range(self.cfg.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[_Seq] = []
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
+        # held for a whole step: stats() waits for the step in progress, so a client that reads the
+        # stats after its final event sees that step's accounting (the event is sent mid-step)
+        self.step_lock = threading.RLock()
         self.cost: StepCost | None = None
         self._skipped = 0  # consecutive steps whose drafts stepped aside
         # rejected: refused at submit because the wait queue was full; expired: failed after
@@ -118,6 +135,12 @@ class Engine:
         # per draft position j = 1..gamma: verify rows where draft j was admitted / accepted
         self.admitted_at = [0] * self.gamma
         self.accepted_at = [0] * self.gamma
+        # decode-step accounting (engine stats, Prometheus, the CLI's step report): decode steps
+        # (steps with no prefill rows), graph executions, host syncs (device-to-host reads other
+        # than the final read-back of committed tokens) and host-to-device bytes in those steps
+        self.decode_totals = dict(decode_steps=0, static_steps=0, graph_executions=0, host_syncs=0,
+                                  host_to_device_bytes=0)
+        self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
 
     @property
     def spec(self) -> bool:
@@ -182,11 +205,21 @@ class Engine:
         return bool(self.waiting or self.running or self.cancelled)
 
     def stats(self) -> dict:
-        with self.lock:
+        with self.step_lock, self.lock:
             d = dict(self.totals)
             d.update(waiting=len(self.waiting), running=len(self.running),
                      slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
+        dt = dict(self.decode_totals)
+        n = dt["decode_steps"]
+        d.update(dt, decode_graph=getattr(self.runner, "decode_graph", "eager"),
+                 graphs_compiled=getattr(self.runner, "counters", {}).get("graphs_compiled", 0),
+                 prefill_graphs=getattr(self.runner, "counters", {}).get("prefill_graphs", 0),
+                 boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
+                 boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
+                 graphs_per_step=dt["graph_executions"] / n if n else 0.0,
+                 host_syncs_per_step=dt["host_syncs"] / n if n else 0.0,
+                 host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
         if self.calib is not None:
             d.update(self.calib.stats())
@@ -258,12 +291,12 @@ class Engine:
         return self.cost
 
     def _sampler_for(self, R: int):
-        return TorchSampler([make_generator(i) for i in range(R)])
+        return CounterSampler(list(range(R)), [0] * R, STREAM_DRAFT)
 
     def _drafting_decision(self, seqs: list[_Seq]) -> str:
-        """draft | probe | skip for this step (step_aside; see step_cost.drafting_pays). Uses only
+        """draft | probe | skip for this step (dspark_adaptive; see step_cost.drafting_pays). Uses only
         acceptances observed in earlier steps, never this step's draws."""
-        if self.cfg.spec_mode != "dspark" or not self.cfg.step_aside:
+        if self.cfg.spec_mode != "dspark" or not self.adaptive:
             return "draft"
         surv = [expected_survivals(self.calib.acceptance_rates(regime(s.req.temperature))) for s in seqs]
         if drafting_pays(self.ensure_cost(), surv)[0]:
@@ -277,6 +310,10 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
+        with self.step_lock:
+            self._step()
+
+    def _step(self) -> None:
         self._handle_cancellations()
         self._admit_waiting()
         if not self.running:
@@ -317,8 +354,8 @@ class Engine:
                                                     f"(max_num_seqs={self.cfg.max_num_seqs})", error_code="UNAVAILABLE"))
         for s in new:
             self.runner.reset_slot(s.slot)
-            if s.req.seed is not None:
-                s.gen = make_generator(s.req.seed)
+            s.seed = int(s.req.seed) if s.req.seed is not None else int(
+                torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
             self.running.append(s)
             self.totals["prompt_tokens"] += len(s.req.prompt)
 
@@ -326,10 +363,104 @@ class Engine:
         return SamplingParams.make(len(seqs), [s.req.temperature for s in seqs], [s.req.top_k for s in seqs],
                                    [s.req.top_p for s in seqs])
 
-    def _sampler(self, seqs: list[_Seq]) -> TorchSampler:
-        return TorchSampler([s.gen for s in seqs])
+    def _sampler(self, seqs: list[_Seq], stream: int, rnd_offset: int = 0) -> CounterSampler:
+        """The requests' noise of this sampling round (noise.py): the same draws the static graphs
+        compute, so eager and static serving give the same tokens."""
+        return CounterSampler([s.seed for s in seqs], [s.rounds + rnd_offset for s in seqs], stream)
+
+    def _static_ok(self) -> bool:
+        """A step runs as a static decode round when every running request decodes (no prefill
+        rows) and the runner has a bucket for it."""
+        r = self.runner
+        if not getattr(r, "static_rounds", False) or not self.running or any(s.prefilling for s in self.running):
+            return False
+        if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
+            return False
+        # min_tokens, penalties and log-probs are host-side logit processing for now: such a step
+        # runs eagerly (same noise, same tokens), the static rounds take the rest
+        if self._processed(self.running) or any(s.req.logprobs >= 0 for s in self.running):
+            return False
+        return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running))
 
     def _step_running(self) -> None:
+        if self._static_ok():
+            return self._step_static()
+        counters = getattr(self.runner, "counters", None)
+        before = dict(counters) if counters is not None else None
+        for s in self.running:  # an eager step after static rounds reads the draft blocks back
+            if s.draft == ON_DEVICE:
+                s.draft = self.runner.read_block(s.slot) if s.ell else None
+        decode_only = not any(s.prefilling for s in self.running)
+        self._step_eager()
+        if decode_only:
+            self._count_step(before)
+
+    def _count_step(self, before: dict | None) -> None:
+        t = self.decode_totals
+        t["decode_steps"] += 1
+        c = getattr(self.runner, "counters", None)
+        if c is not None and before is not None:
+            for k in ("graph_executions", "host_syncs", "host_to_device_bytes"):
+                t[k] += c.get(k, 0) - before.get(k, 0)
+
+    def _step_static(self) -> None:
+        """One decode round in the runner's static graphs: verify + acceptance + sampling, then
+        the DSpark rings, the draft block, Markov drafting, confidence and admission, all inside
+        the graphs; the committed tokens (with their counts and the next admitted lengths) are
+        the one read-back."""
+        before = dict(self.runner.counters)
+        seqs = list(self.running)
+        for s in seqs:  # a block drafted on the host (eager step) moves into the runner's state
+            if s.draft is not None and s.draft != ON_DEVICE:
+                if s.ell:
+                    self.runner.load_block(s.slot, s.draft)
+                s.draft = ON_DEVICE
+        L = self.cfg.max_model_len
+        stops = self._stop_lists(seqs)
+        plan = dict(
+            slot=[s.slot for s in seqs], start=[s.n_cached for s in seqs],
+            pending=[s.tokens[s.n_cached] for s in seqs], ell=[s.ell for s in seqs],
+            temperature=[float(s.req.temperature) for s in seqs], top_k=[int(s.req.top_k) for s in seqs],
+            top_p=[float(s.req.top_p) for s in seqs], seed=[s.seed for s in seqs],
+            rnd=[s.rounds for s in seqs], budget=[s.req.max_tokens - s.n_out for s in seqs],
+            len_left=[L - s.n_cached - 1 for s in seqs],
+            stop_ids=[x + [-1] * (STOP_WIDTH - len(x)) for x in stops],
+            spec_mode=self.cfg.spec_mode if self.spec else "off", fixed_len=self.cfg.fixed_len,
+            sps=sps_tensors(self.ensure_cost().forward) if self.cfg.spec_mode == "dspark" and self.spec else None)
+        out = self.runner.decode_round(plan)  # [S] rows: tokens[G+1], num, accepted, stopped, next ell
+        self.totals["steps"] += 1
+        G = len(out[0]) - 5  # the runner's block size (also with spec_mode off: then ell stays 0)
+        for i, s in enumerate(seqs):
+            row = out[i]
+            k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
+            self._account_verify(s, n_acc)
+            s.rounds += 1
+            s.n_cached += k
+            self._commit(s, row[:k], stopped)
+            if not self._done(s) and self.spec:
+                s.ell, s.draft = nxt, ON_DEVICE
+                s.drafted += self.gamma
+                self.totals["drafted"] += self.gamma
+        for s in [s for s in self.running if self._done(s)]:
+            self._release(s)
+        self.running = [s for s in self.running if not self._done(s)]
+        self.decode_totals["static_steps"] += 1
+        self._count_step(before)
+
+    def _account_verify(self, s: _Seq, n_acc: int) -> None:
+        if s.ell and s.conf_logits is not None:  # the block's confidences, for online calibration
+            self.calib.observe(regime(s.req.temperature), s.conf_logits, s.ell, n_acc)
+        s.accepted += n_acc
+        s.admitted += s.ell
+        s.verify_steps += 1
+        for j in range(s.ell):
+            self.admitted_at[j] += 1
+            self.accepted_at[j] += n_acc > j
+        self.totals["admitted"] += s.ell
+        self.totals["accepted"] += n_acc
+        self.totals["verify_rows"] += 1
+
+    def _step_eager(self) -> None:
         tokens, spec, rows = [], [], []
         decode, prefill = [], []  # (seq, segment offset, n rows)
         off = 0
@@ -366,7 +497,7 @@ class Engine:
             lg = out.logits[[logits_at[r] for s, o, n in decode for r in range(o, o + n)]]
             # verify row j of a request predicts its output token n_out + j
             lg = self._process_target(lg, seqs, [list(range(s.n_out, s.n_out + n)) for s, o, n in decode])
-            res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs),
+            res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs, STREAM_VERIFY),
                              self._stop_ids(seqs), torch.tensor([s.req.max_tokens - s.n_out for s in seqs]))
             lp_row = 0
             for i, (s, o, n) in enumerate(decode):
@@ -374,17 +505,8 @@ class Engine:
                 new = res.tokens[i, :k].tolist()
                 lps = self._logprobs(s, lg[lp_row:lp_row + k], new)
                 lp_row += n
-                s.accepted += int(res.accepted[i])
-                s.admitted += s.ell
-                s.verify_steps += 1
-                for j in range(s.ell):
-                    self.admitted_at[j] += 1
-                    self.accepted_at[j] += int(res.accepted[i]) > j
-                if s.ell and s.conf_logits is not None:
-                    self.calib.observe(regime(s.req.temperature), s.conf_logits, s.ell, int(res.accepted[i]))
-                self.totals["admitted"] += s.ell
-                self.totals["accepted"] += int(res.accepted[i])
-                self.totals["verify_rows"] += 1
+                self._account_verify(s, int(res.accepted[i]))
+                s.rounds += 1
                 pos0 = s.n_cached
                 s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
                 writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
@@ -402,8 +524,10 @@ class Engine:
             seqs = [s for s, _ in first]
             lg = self._process_target(out.logits[[i for _, i in first]], seqs, [[0]] * len(seqs))
             res = acc.verify(lg, self._block(seqs), torch.zeros(len(seqs), dtype=torch.long), self._params(seqs),
-                             self._sampler(seqs), self._stop_ids(seqs), torch.tensor([s.req.max_tokens for s in seqs]))
+                             self._sampler(seqs, STREAM_VERIFY), self._stop_ids(seqs),
+                             torch.tensor([s.req.max_tokens for s in seqs]))
             for i, s in enumerate(seqs):
+                s.rounds += 1
                 s.first_token_time = time.monotonic()
                 new = res.tokens[i, :1].tolist()
                 self._commit(s, new, bool(res.stopped[i]), self._logprobs(s, lg[i:i + 1], new))
@@ -431,8 +555,9 @@ class Engine:
             return
         d = self.runner.drafter
         anchors = torch.tensor([a for _, _, a in items], dtype=torch.long)
+        # drafting after the verify of round r draws from round r's drafting stream
         block = acc.markov_draft(out.base_logits, anchors, lambda prev: d.markov(prev)[0], self._params(seqs),
-                                 self._sampler(seqs), logit_fn=self._draft_logit_fn(seqs))
+                                 self._sampler(seqs, STREAM_DRAFT, -1), logit_fn=self._draft_logit_fn(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
         conf_logits = self._confidence_logits(out, block)
@@ -442,8 +567,11 @@ class Engine:
             ell = admit_fixed(len(seqs), 1, self.gamma)
             self.totals["draft_probes"] += 1
         else:
-            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
-            ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
+            if self.adaptive:
+                c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+                ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
+            else:  # the head as it is and the forward's steps/s: what the static rounds compute
+                ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward)
         ell = torch.minimum(ell, room)
         for i, s in enumerate(seqs):
             s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
@@ -540,8 +668,11 @@ class Engine:
             out.append([float(lp[j]), int(rank[j]), alts])
         return out
 
+    def _stop_lists(self, seqs: list[_Seq]) -> list[list[int]]:
+        return [list(s.req.stop_token_ids) + ([] if s.req.ignore_eos else [self.mcfg.eos_token_id]) for s in seqs]
+
     def _stop_ids(self, seqs: list[_Seq]) -> torch.Tensor:
-        lists = [list(s.req.stop_token_ids) + ([] if s.req.ignore_eos else [self.mcfg.eos_token_id]) for s in seqs]
+        lists = self._stop_lists(seqs)
         width = max(1, max(len(x) for x in lists))
         return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long)
 

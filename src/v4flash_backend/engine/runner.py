@@ -39,7 +39,13 @@ class Runner(Protocol):
 
 
 class LocalRunner:
-    """The Runner of one process: the model's own forward over a ModelState."""
+    """The eager (op-by-op) runner. `counters` count what a device would see: graph executions
+    (none here: every op is its own launch), host syncs (the device-to-host reads of the eager
+    forward, found by `HostSyncCounter`, plus the read-back of the logits / draft logits the
+    engine samples from on the host) and host-to-device bytes (the step's inputs)."""
+
+    decode_graph = "eager"
+    static_rounds = False
 
     def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8):
         self.model = model
@@ -47,6 +53,13 @@ class LocalRunner:
         self.state = ModelState(model.cfg, num_slots, max_len, margin)
         self.drafter = DSparkDrafter(model) if model.cfg.dspark_block_size else None
         self.last_taps: torch.Tensor | None = None
+        self.counters = dict(graph_executions=0, host_syncs=0, host_to_device_bytes=0)
+
+    def _count(self, syncs: int, h2d: int, graphs: int = 0) -> None:
+        c = self.counters
+        c["host_syncs"] += syncs
+        c["host_to_device_bytes"] += h2d
+        c["graph_executions"] += graphs
 
     # every method below is one collective-synchronous call in a rank group
     def reset_slot(self, slot: int) -> None:
@@ -55,7 +68,12 @@ class LocalRunner:
     def forward(self, tokens: torch.Tensor, spec: list[tuple[int, int, int]], logits_rows,
                 want_taps: bool) -> StepOutput:
         """spec: [(slot, start, n)] in row order; logits_rows: LongTensor of rows (or 'last'/'all')."""
-        out = self.model.forward(self.state, tokens, make_segments(spec), logits_rows, want_taps)
+        from .device_boundary import HostSyncCounter
+
+        with HostSyncCounter() as hs:
+            out = self.model.forward(self.state, tokens, make_segments(spec), logits_rows, want_taps)
+        rows = 0 if isinstance(logits_rows, str) else len(logits_rows)
+        self._count(hs.total + (out.logits is not None), 8 * (len(tokens) + 3 * len(spec) + rows))
         self.last_taps = out.taps
         return out
 
@@ -63,10 +81,14 @@ class LocalRunner:
                items: list[tuple[int, int, int]]) -> DraftOutput | None:
         """writes: [(slot, rows of the last forward's taps, their positions)] -> DSpark rings;
         items: [(slot, p, anchor)] -> draft blocks at positions p+1..p+B (None if no items)."""
+        from .device_boundary import HostSyncCounter
+
         d = self.drafter
-        for slot, rows, positions in writes:
-            if len(rows):
-                d.write_ring(self.state, slot, d.main_x(self.last_taps[rows]), positions)
-        if not items:
-            return None
-        return d.draft(self.state, items)
+        h2d = 8 * (sum(2 * len(r) + 2 for _, r, _ in writes) + 3 * len(items))
+        with HostSyncCounter() as hs:
+            for slot, rows, positions in writes:
+                if len(rows):
+                    d.write_ring(self.state, slot, d.main_x(self.last_taps[rows]), positions)
+            out = d.draft(self.state, items) if items else None
+        self._count(hs.total + (out is not None), h2d)
+        return out

@@ -97,17 +97,20 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, use_k: torch.Tensor,
-                        top_p: torch.Tensor, use_p: torch.Tensor) -> torch.Tensor:
+                        top_p: torch.Tensor, use_p: torch.Tensor, branch_free: bool = False) -> torch.Tensor:
     """Set filtered-out logits to -inf. One stable descending sort serves both filters, so the
-    kept set is a deterministic function of the logits (ties broken by token id)."""
+    kept set is a deterministic function of the logits (ties broken by token id).
+    branch_free: apply both filters to every row (a row that does not filter keeps all: k = V,
+    no top-p drop), with no host read of use_k / use_p -- the static graphs' form; row by row
+    the result is the same."""
     n, v = x.shape
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
-    if bool(use_k.any()):
+    if branch_free or bool(use_k.any()):
         k = torch.where(use_k, top_k, torch.full_like(top_k, v)).clamp(1, v)
         kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
         keep &= sorted_x >= kth  # keep every token tied with the k-th logit
-    if bool(use_p.any()):
+    if branch_free or bool(use_p.any()):
         probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
         # exclusive cumulative mass: the mass strictly ahead of each token in sorted order
         before = torch.cumsum(probs, dim=-1) - probs
@@ -143,6 +146,26 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)
     return probs
+
+
+def process_logits_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor) -> torch.Tensor:
+    """`process_logits` without host reads (no `bool(...)` on the params, no row subsets): the
+    form the static decode graphs run. logits [N, V]; temperature (float64) / top_k / top_p [N].
+    Row by row it computes the same values as `process_logits` (every row goes through the
+    filters, which keep everything for a row that does not filter; greedy rows are one-hot), so
+    eager serving and the graphs sample from bit-identical distributions (tests/test_sampling.py)."""
+    x = logits.to(_work_dtype(logits))
+    v = x.shape[1]
+    greedy = temperature < GREEDY_TEMPERATURE
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
+    x = x / temp.unsqueeze(1)
+    use_k = (top_k > 0) & (top_k < v) & ~greedy
+    use_p = (top_p < 1) & ~greedy
+    x = _filter_top_k_top_p(x, top_k, use_k, top_p, use_p, branch_free=True)
+    probs = torch.softmax(x, dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), onehot, probs)
 
 
 def categorical_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -424,6 +424,18 @@ def add_generate_arguments(parser) -> None:
                         help="run through a rank group of W ranks (torchrun) instead of in this process")
     parser.add_argument("--address", default=None, help="use a running rank group at host:port")
     parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
+    parser.add_argument("--decode-graph", choices=["eager", "static"], default=None,
+                        help="decode steps as the static round graphs or op by op (default: static with "
+                             "--ops nki, else the CPU default); implies the rank group")
+    parser.add_argument("--graph-backend", default=None,
+                        help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
+    parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
+    parser.add_argument("--sps-path", default=None,
+                        help="DSpark SPS table: loaded if present, else profiled and saved (default: a cache file "
+                             "per checkpoint under ~/.cache/v4flash, so seeded sampled runs agree across W and "
+                             "decode_graph: admission depends on the table)")
+    parser.add_argument("--step-report", action="store_true",
+                        help="end with the lines 'ids: ...' and 'step-report: ...' (decode-step counts)")
 
 
 def generate_via_group(args) -> int:
@@ -451,9 +463,13 @@ def generate_via_group(args) -> int:
     else:
         from v4flash_backend.settings import Settings
 
+        extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
+                                   ("graph_backend", getattr(args, "graph_backend", None)),
+                                   ("spec_mode", getattr(args, "spec_mode", None)),
+                                   ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
         settings = Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
                             ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
-                            max_model_len=len(prompt) + args.max_tokens + 8)
+                            max_model_len=len(prompt) + args.max_tokens + 8, **extra)
         group = RankGroup.launch(settings, python=args.python)
     t1 = time.perf_counter()
     try:
@@ -469,6 +485,7 @@ def generate_via_group(args) -> int:
             tokens += ev["token_ids"]
             reason, last = ev["finish_reason"], ev
         t2 = time.perf_counter()
+        report = group.stats().get("engine", {}) if getattr(args, "step_report", False) else None
     finally:
         if not args.address:
             group.shutdown()
@@ -480,4 +497,34 @@ def generate_via_group(args) -> int:
     print(f"finish_reason={reason} tokens={n} world_size={group.info.get('world_size')} start_s={t1 - t0:.1f} "
           f"ttft_s={(first or t2) - t1:.3f} decode_tok_s={(n - 1) / dec if n > 1 and dec > 0 else 0:.1f} "
           f"drafted={last['drafted']} accepted={last['accepted']}")
+    if report is not None:
+        print(step_report_lines(tokens, report, group.info.get("world_size")), end="")
     return 0
+
+
+def default_sps_path(args) -> str:
+    """The CLI's SPS table cache, one per checkpoint and ops backend (not per W or mode): DSpark
+    admission reads the table, which is a timing, so a seeded T > 0 run is reproducible -- across
+    runs, W and decode_graph -- only with the same table. The first run profiles and saves it,
+    later runs load it ($V4FLASH_CACHE_DIR, default ~/.cache/v4flash; --sps-path picks another)."""
+    import hashlib
+    import os
+
+    root = os.environ.get("V4FLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "v4flash")
+    os.makedirs(root, exist_ok=True)
+    key = hashlib.sha1(f"{os.path.realpath(args.checkpoint)}|{getattr(args, 'ops', 'torch')}".encode()).hexdigest()
+    return os.path.join(root, f"sps-{key[:16]}.json")
+
+
+def step_report_lines(tokens, st: dict, world) -> str:
+    """The two closing lines of `generate --step-report` (their format is part of the interface).
+    Per-step figures are over decode steps (steps with no prefill rows); graphs_per_step and
+    host_syncs_per_step print as integers when they are whole."""
+    def num(v):
+        return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
+
+    return (f"ids: {','.join(map(str, tokens))}\n"
+            f"step-report: decode_graph={st.get('decode_graph')} world={world} steps={st.get('decode_steps', 0)} "
+            f"graphs_per_step={num(st.get('graphs_per_step', 0))} "
+            f"host_syncs_per_step={num(st.get('host_syncs_per_step', 0))} "
+            f"host_to_device_bytes_per_step={int(round(st.get('host_to_device_bytes_per_step', 0)))}\n")

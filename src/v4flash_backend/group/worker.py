@@ -1,6 +1,7 @@
 """The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
 
-Every rank loads its shard (`parallel`) and a `LocalRunner`. Rank 0 owns the request queue, the
+Every rank loads its shard (`parallel`) and a runner: `LocalRunner` (decode_graph eager) or the
+static round graphs' `trn2.neuron.StaticRunner` (decode_graph static; `build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
 > 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
@@ -10,7 +11,10 @@ stay on every rank, which is why ring writes name rows instead of shipping hidde
 Plan layout: int64[size]; header [MAGIC, op, sequence number, body length, a0, a1, a2, a3], then
 the body. FORWARD: a = (T tokens, S segments, L logits rows or -1 'last' / -2 'all' / -3 'none',
 want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes, items); body =
-per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. RESET: a0 = slot.
+per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. ROUND (a static
+decode round, decode_graph static): a = (S, stop width, spec mode, fixed_len); body = `pack_round`'s
+int64 columns, float64 columns as bits, stop ids, the SPS table. LOAD_BLOCK: a host-drafted draft
+block into every rank's per-slot block state (`pack_block`). RESET: a0 = slot.
 GROW: a0 = the new plan size (both sides switch buffers; sizes only grow). NOOP: a heartbeat
 rank 0 sends when idle so followers waiting for a plan never reach the collective timeout; it is
 followed by a one-element world all-reduce (counted as 'heartbeat'), so a rank that hangs while
@@ -59,9 +63,12 @@ import torch
 
 MAGIC = 0x56344650
 HDR = 8
-OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK = range(6)
+OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK, OP_ROUND, OP_LOAD_BLOCK = range(8)
 OP_NAMES = {OP_NOOP: "noop", OP_STOP: "stop", OP_GROW: "grow", OP_RESET: "reset_slot",
-            OP_FORWARD: "forward", OP_DSPARK: "dspark"}
+            OP_FORWARD: "forward", OP_DSPARK: "dspark", OP_ROUND: "decode_round", OP_LOAD_BLOCK: "load_block"}
+_ROUND_INTS = ("slot", "start", "pending", "ell", "top_k", "seed", "rnd", "budget", "len_left")
+_ROUND_FLOATS = ("temperature", "top_p")
+_MODES = ("off", "dspark", "fixed")
 _ROWS = {"last": -1, "all": -2, "none": -3}
 _ROWS_INV = {v: k for k, v in _ROWS.items()}
 
@@ -115,6 +122,50 @@ def unpack_dspark(a, body: torch.Tensor):
     return writes, items
 
 
+def pack_round(plan: dict):
+    """A static decode round (engine._step_static's plan): a = (S, stop width, spec mode, fixed_len);
+    body = the int64 columns, the float64 columns bit-cast to int64, the stop ids, the padded SPS
+    table (float64 bits)."""
+    from v4flash_backend.trn2.neuron import pad_sps
+
+    S, W = len(plan["slot"]), len(plan["stop_ids"][0])
+    ints = _long([plan[k] for k in _ROUND_INTS])
+    floats = torch.tensor([plan[k] for k in _ROUND_FLOATS], dtype=torch.float64).view(torch.int64).reshape(-1)
+    stops = _long(plan["stop_ids"])
+    sps = pad_sps(plan.get("sps")).reshape(-1).view(torch.int64)
+    return (S, W, _MODES.index(plan["spec_mode"]), int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps])
+
+
+def unpack_round(a, body: torch.Tensor) -> dict:
+    S, W, mode, fixed = a
+    ni, nf = len(_ROUND_INTS) * S, len(_ROUND_FLOATS) * S
+    ints = body[:ni].view(len(_ROUND_INTS), S).tolist()
+    floats = body[ni:ni + nf].clone().view(torch.float64).view(len(_ROUND_FLOATS), S).tolist()
+    plan = dict(zip(_ROUND_INTS, ints))
+    plan.update(zip(_ROUND_FLOATS, floats))
+    plan["stop_ids"] = body[ni + nf:ni + nf + S * W].view(S, W).tolist()
+    plan["sps"] = body[ni + nf + S * W:].clone().view(torch.float64).view(2, -1)
+    plan["spec_mode"], plan["fixed_len"] = _MODES[mode], fixed
+    return plan
+
+
+def pack_block(slot: int, block):
+    """A host-drafted block (tokens, prev, q, z) for load_block: a = (slot, G, V); body = tokens,
+    then q and z as float32 bits (padded to whole int64s)."""
+    tokens, _, q, z = block
+    f = torch.cat([q.float().reshape(-1), z.float().reshape(-1)])
+    if f.numel() % 2:
+        f = torch.cat([f, f.new_zeros(1)])
+    return (slot, tokens.numel(), z.shape[-1], 0), torch.cat([_long(tokens), f.view(torch.int64)])
+
+
+def unpack_block(a, body: torch.Tensor):
+    slot, G, V = a[0], a[1], a[2]
+    tokens = body[:G].clone()
+    f = body[G:].clone().view(torch.float32)
+    return slot, (tokens, None, f[:G].clone(), f[G:G + G * V].view(G, V).clone())
+
+
 class PlanRunner:
     """Rank 0's runner: the `LocalRunner` interface, each call broadcast as a plan first."""
 
@@ -131,6 +182,28 @@ class PlanRunner:
         self.heartbeat_s = heartbeat_s
         self.last_send = time.monotonic()
         self.sent = {name: 0 for name in OP_NAMES.values()}
+        self.decode_graph = getattr(local, "decode_graph", "eager")
+        self.static_rounds = getattr(local, "static_rounds", False)
+        self.counters = local.counters
+
+    def round_fits(self, seqs: int, ctx_needed: int) -> bool:
+        return self.local.round_fits(seqs, ctx_needed)  # a pure function of the plan: no broadcast
+
+    def decode_round(self, plan: dict):
+        a, body = pack_round(plan)
+        self.coll.begin_step()
+        self._send(OP_ROUND, a, body)
+        out = self.local.decode_round(plan)
+        self.coll.end_step()
+        return out
+
+    def load_block(self, slot: int, block) -> None:
+        a, body = pack_block(slot, block)
+        self._send(OP_LOAD_BLOCK, a, body)
+        self.local.load_block(slot, block)
+
+    def read_block(self, slot: int):
+        return self.local.read_block(slot)  # every rank holds the same blocks: rank 0 reads its own
 
     def _send(self, op: int, a=(), body: torch.Tensor | None = None) -> None:
         n = 0 if body is None else body.numel()
@@ -227,6 +300,12 @@ def follow(local, coll, plan_size: int = 2048) -> int:
             coll.begin_step()
             local.dspark(*unpack_dspark(a, body))
             coll.end_step()
+        elif op == OP_ROUND:
+            coll.begin_step()
+            local.decode_round(unpack_round(a, body))
+            coll.end_step()
+        elif op == OP_LOAD_BLOCK:
+            local.load_block(*unpack_block(a, body))
         else:
             raise PlanError(f"unknown plan op {op}")
 
@@ -464,7 +543,6 @@ def main(argv=None) -> int:
     args, settings = parse_settings(build_parser(), argv)
     _die_with_parent()
     from v4flash_backend import ops
-    from v4flash_backend.engine.runner import LocalRunner
     from v4flash_backend.parallel.collectives import init_distributed
     from v4flash_backend.parallel.comm import load_sharded_model
 
@@ -481,7 +559,7 @@ def main(argv=None) -> int:
         from v4flash_backend.model.loading import load_model
 
         model = load_model(settings.checkpoint_dir)
-    local = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)  # +1: the SPS scratch slot
+    local = build_runner(model, settings, rank)
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
     pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
@@ -498,11 +576,47 @@ def main(argv=None) -> int:
     return code
 
 
+def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
+    """This rank's runner: decode_graph static -> the static round graphs (compiled with
+    graph_backend, every bucket at start), eager -> the op-by-op LocalRunner. Every rank builds the
+    same kind, so the ranks meet in the same collectives."""
+    from v4flash_backend.engine.runner import LocalRunner
+
+    if settings.decode_graph_mode != "static":
+        return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)  # +1: the SPS scratch slot
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    ns = NeuronSettings.from_env()
+    ns.backend = settings.graph_backend_name
+    # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
+    runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
+                          prefill_rows=settings.prefill_chunk)
+    if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
+        from v4flash_backend.ops import nki_ops
+        from v4flash_backend.trn2.neuron import place_resident
+
+        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
+
+        _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
+        os.environ["V4FLASH_NKI_STRICT"] = "1"
+    mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
+    t0 = time.monotonic()
+    from v4flash_backend.engine.engine import STOP_WIDTH
+
+    runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
+                          stop_width=STOP_WIDTH)
+    runner.warm_up_prefill(progress if rank == 0 else None)
+    _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
+               f"{time.monotonic() - t0:.1f} s")
+    return runner
+
+
 def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
     from v4flash_backend.engine.engine import Engine
 
     stop = threading.Event()
     info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
+            "decode_graph": getattr(local, "decode_graph", "eager"),
             "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len}
 
     def on_sigterm(*_):  # torchrun stopping the group (e.g. after another rank died)

@@ -20,6 +20,70 @@ from .state import ModelState, Segment
 from .weights import linear
 
 
+# ---- per-op helpers shared by the eager forward (below), the static decode step
+# (trn2/static_step.py) and the DSpark stages (dspark.py): one definition of each computation, so
+# a change to attention is made once; the callers differ only in how they gather and scatter rows.
+def query(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor, rope, positions: torch.Tensor):
+    """(qr [T, q_lora] (the indexer's input too), q [T, H, hd] with RoPE) of attention prefix p."""
+    qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], cfg.norm_eps)
+    return qr, rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, cfg.head_dim)), positions)
+
+
+def window_kv(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
+    """The rows' window KV (also a DSpark stage's main-KV): kv_norm(wkv x), RoPE, fp8 QDQ."""
+    kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], cfg.norm_eps)
+    return quant.fp8_act_qdq(rope.apply(kv, positions))
+
+
+def compressor_rows(W: dict, p: str, x: torch.Tensor):
+    """(kv, score) fp32 rows of a ratio > 1 compressor (they wait in the pending ring)."""
+    return linear(W, p + ".wkv", x.float()), linear(W, p + ".wgate", x.float())
+
+
+def compressor_latent_r1(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor) -> torch.Tensor:
+    """Latents of a ratio-1 compressor (one token per group: no gate, bf16)."""
+    return ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".norm.weight"], cfg.norm_eps)
+
+
+def pooled_latent(W: dict, cfg: ModelConfig, p: str, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """Latents of complete groups [..., r, d] -> [..., d] bf16 (softmax pool, then the norm)."""
+    return ops.rms_norm(ops.softmax_pool(kv, score).to(torch.bfloat16), W[p + ".norm.weight"], cfg.norm_eps)
+
+
+def compressed_kv(latent: torch.Tensor, rope, group_pos: torch.Tensor) -> torch.Tensor:
+    """A latent as stored compressed KV: RoPE at the group's first position, fp4 (16, e4m3 scales)."""
+    return quant.fp4_qdq(rope.apply(latent, group_pos), 16, "e4m3")
+
+
+def index_keys(W: dict, cfg: ModelConfig, p: str, latent: torch.Tensor, rope, group_pos: torch.Tensor):
+    """Index keys of new groups, from the RoPE-free latent (fp4, ue8m0 scales per 32)."""
+    k = ops.rms_norm(linear(W, p + ".wk", latent), W[p + ".k_norm.weight"], cfg.norm_eps)
+    return quant.fp4_qdq(rope.apply(k, group_pos), 32, "ue8m0")
+
+
+def index_query(W: dict, cfg: ModelConfig, p: str, x, qr, rope, positions):
+    """(indexer queries [T, Hi, ihd] fp4, head weights [T, Hi]) of the rows."""
+    ihd = cfg.index_head_dim
+    q = linear(W, p + ".wq_b", qr).unflatten(-1, (-1, ihd))
+    q = quant.fp4_qdq(rope.apply(q, positions), 32, "ue8m0")
+    w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
+    return q, w
+
+
+def pick_compressed(cfg: ModelConfig, layer: int, score: torch.Tensor, clens: torch.Tensor, shared: dict,
+                    k: int) -> torch.Tensor:
+    """Top-k compressed slots per query from indexer scores [..., C] (reachable: < clens [..., 1]):
+    the candidate-block mask (computed at the candidate source layer, applied after it), then top-k,
+    ascending, picks beyond reach -> -1 (int64)."""
+    score = score.masked_fill(torch.arange(score.shape[-1]) >= clens, -torch.inf)
+    if layer == cfg.candidate_source_layer:
+        shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif 0 <= cfg.candidate_source_layer < layer:
+        score = score.masked_fill(~shared["candidates"], -torch.inf)
+    idx = topk_idx(score, k).sort(dim=-1).values
+    return torch.where(idx < clens, idx, -1)
+
+
 def window_slots(state: ModelState, layer: int, seg: Segment, kv_new: torch.Tensor, window: int):
     """Window keys a chunk attends to, as (local kv rows, per-query slot indices into them).
 
@@ -50,11 +114,9 @@ def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segm
     r = cfg.compress_ratios[layer]
     p = f"layers.{layer}.attn.compressor"
     s, n = seg.start, seg.n
-    if r == 1:  # one token per group: no gate, bf16
-        lat = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".norm.weight"], cfg.norm_eps)
-        return lat, torch.arange(s, s + n)
-    kv = linear(W, p + ".wkv", x.float())
-    score = linear(W, p + ".wgate", x.float())
+    if r == 1:
+        return compressor_latent_r1(W, cfg, p, x), torch.arange(s, s + n)
+    kv, score = compressor_rows(W, p, x)
     ring, R = state.pend_kv[layer], state.pend_ring[layer]
     sring = state.pend_score[layer]
     g0 = (s // r) * r
@@ -69,8 +131,7 @@ def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segm
     ng = (s + n) // r - s // r
     if ng == 0:
         return None, None
-    pooled = ops.softmax_pool(kv[: ng * r].unflatten(0, (ng, r)), score[: ng * r].unflatten(0, (ng, r)))
-    lat = ops.rms_norm(pooled.to(torch.bfloat16), W[p + ".norm.weight"], cfg.norm_eps)
+    lat = pooled_latent(W, cfg, p, kv[: ng * r].unflatten(0, (ng, r)), score[: ng * r].unflatten(0, (ng, r)))
     return lat, torch.arange(s // r, s // r + ng)
 
 
@@ -107,9 +168,7 @@ def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segme
     s, n = seg.start, seg.n
     clen = (s + n) // r
     if layer == src and latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
-        k = ops.rms_norm(linear(W, p + ".wk", latent), W[p + ".k_norm.weight"], cfg.norm_eps)
-        k = quant.fp4_qdq(rope.apply(k, groups * r), 32, "ue8m0")
-        state.ik[layer][seg.slot, groups] = k
+        state.ik[layer][seg.slot, groups] = index_keys(W, cfg, p, latent, rope, groups * r)
         state.ik_last[seg.slot] = layer
     if state.reference_quirks:
         # The reference reads whichever index-key cache was published LAST: in a decode step where a
@@ -119,32 +178,20 @@ def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segme
         src = int(state.ik_last[seg.slot])
     if clen == 0:
         return torch.empty(n, 0, dtype=torch.int32)
-    ihd = cfg.index_head_dim
-    q = linear(W, p + ".wq_b", qr).unflatten(-1, (-1, ihd))
-    q = quant.fp4_qdq(rope.apply(q, torch.arange(s, s + n)), 32, "ue8m0")
+    q, w = index_query(W, cfg, p, x, qr, rope, torch.arange(s, s + n))
     keys = state.ik[src][seg.slot, :clen]
-    w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
     score = comm.index_scores(q.unsqueeze(0), keys.unsqueeze(0), w.unsqueeze(0))[0]
     clens = (torch.arange(s + 1, s + n + 1) // r).unsqueeze(-1)
-    score = score.masked_fill(torch.arange(clen) >= clens, -torch.inf)
-    if layer == cfg.candidate_source_layer:
-        shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-    elif 0 <= cfg.candidate_source_layer < layer:
-        score = score.masked_fill(~shared["candidates"], -torch.inf)
-    k = min(cfg.index_topk, clen)
-    idx = topk_idx(score, k).sort(dim=-1).values
-    return torch.where(idx < clens, idx, -1).int()
+    return pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, clen)).int()
 
 
 def attention(W: dict, cfg: ModelConfig, layer: int, x: torch.Tensor, segs: list[Segment],
               state: ModelState, rope, shared: list[dict], comm, positions: torch.Tensor) -> torch.Tensor:
     """Attention sublayer of backbone layer `layer` on flattened rows x [T, D] (bf16)."""
     p = f"layers.{layer}.attn"
-    hd, eps = cfg.head_dim, cfg.norm_eps
-    qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-    q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), positions)
-    kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], eps)
-    kv = quant.fp8_act_qdq(rope.apply(kv, positions))
+    hd = cfg.head_dim
+    qr, q = query(W, cfg, p, x, rope, positions)
+    kv = window_kv(W, cfg, p, x, rope, positions)
     ratio = cfg.compress_ratios[layer]
     src = cfg.kv_source_of(layer)
     outs = []
@@ -158,9 +205,8 @@ def attention(W: dict, cfg: ModelConfig, layer: int, x: torch.Tensor, segs: list
                 sh["topk"] = cidx
             else:
                 cidx = sh["topk"]
-            if latent is not None:  # RoPE at the group's first position, then fp4 (groups of 16, e4m3 scales)
-                lat = quant.fp4_qdq(rope.apply(latent, groups * ratio), 16, "e4m3")
-                state.ckv[layer][seg.slot, groups] = lat
+            if latent is not None:
+                state.ckv[layer][seg.slot, groups] = compressed_kv(latent, rope, groups * ratio)
             comp = state.ckv[src][seg.slot, : seg.end // ratio]
             cidx = torch.where(cidx >= 0, cidx + kv_all.shape[0], -1).int()
             kv_all = torch.cat([kv_all, comp])

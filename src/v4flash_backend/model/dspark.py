@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from v4flash_backend import ops
-from v4flash_backend.formats import quant
 
-from .attention import grouped_out
+from .attention import grouped_out, query, window_kv
 from .weights import linear
 
 
@@ -55,19 +54,15 @@ class DSparkDrafter:
         keep = min(main_x.shape[0], win)
         main_x, positions = main_x[-keep:], positions[-keep:]
         for k in range(self.n_stages):
-            p = f"mtp.{k}.attn"
-            kv = ops.rms_norm(linear(W, p + ".wkv", main_x), W[p + ".kv_norm.weight"], cfg.norm_eps)
-            kv = quant.fp8_act_qdq(self.m.ropes[self.stage_layer(k)].apply(kv, positions))
+            kv = window_kv(W, cfg, f"mtp.{k}.attn", main_x, self.m.ropes[self.stage_layer(k)], positions)
             state.dspark[k][slot, positions % win] = kv
 
     def _attention(self, k: int, x: torch.Tensor, items, state, positions) -> torch.Tensor:
         W, cfg = self.m.W, self.cfg
-        p, hd, eps, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.norm_eps, cfg.window_size, self.B
+        p, hd, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.window_size, self.B
         rope = self.m.ropes[self.stage_layer(k)]
-        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), positions)
-        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], eps)
-        kv = quant.fp8_act_qdq(rope.apply(kv, positions))
+        _, q = query(W, cfg, p, x, rope, positions)
+        kv = window_kv(W, cfg, p, x, rope, positions)
         outs = []
         for r, (slot, pos, _) in enumerate(items):
             rows = slice(r * B, (r + 1) * B)

@@ -4,8 +4,9 @@
 - `nki-sim`: the kernel executes on CPU under a simulator -- ours (`nki_sim`) when the Neuron `nki`
   package is absent (or V4FLASH_NKI=sim), else the official one (`nki.simulate`). Tensors cross as NumPy
   arrays (bitwise for bf16 / fp8) and come back as CPU torch tensors.
-- `nki`: the kernel runs on a NeuronCore through torch-neuronx (imported only on this path): inputs are
-  moved to the `neuron` device if needed and results return to the device of the first input.
+- `nki`: the kernel runs on a NeuronCore through torch-neuronx (imported only on this path): device
+  tensors go to the kernel as they are and results stay on the device; an input still on the host is
+  copied and counted (`device_copies`), or refused under V4FLASH_NKI_STRICT=1.
 
 Host-side work here is limited to free reshapes (flattening leading dims), dtype promotions the op contract
 implies (linear_f32 operands to fp32), reinterpreting fp8 / e8m0 checkpoint tensors as their uint8 bytes
@@ -68,6 +69,29 @@ def _launch(kernel, *tensors, **static):
     return numpy_to_torch(res)
 
 
+DEVICE = "neuron"
+# inputs a kernel call had to copy to the device (by op family); a resident serving path keeps it 0
+device_copies: dict[str, int] = {}
+
+
+def device_args(tensors, kernel_name: str = "", device_type: str = DEVICE):
+    """The kernel's arguments on the device: a tensor already there is passed as it is (weights and
+    caches are placed on the device at load, activations are produced there); any other is copied,
+    counted in `device_copies`, and refused when V4FLASH_NKI_STRICT=1 (the served path sets it: a
+    weight or cache left on the host would be copied on every call, the pattern this backend avoids)."""
+    out = []
+    for t in tensors:
+        if t.device.type == device_type:
+            out.append(t)
+            continue
+        if os.environ.get("V4FLASH_NKI_STRICT") == "1":
+            raise RuntimeError(f"{kernel_name}: a {tuple(t.shape)} {t.dtype} input on {t.device}, not on the "
+                               f"{device_type} device (place weights and caches at load)")
+        device_copies[kernel_name] = device_copies.get(kernel_name, 0) + 1
+        out.append(t.to(device_type))
+    return out
+
+
 def _launch_device(kernel, tensors, static):
     try:
         import torch_neuronx  # noqa: F401  (registers the neuron device and nki.jit's torch path)
@@ -75,12 +99,10 @@ def _launch_device(kernel, tensors, static):
         raise RuntimeError("the 'nki' ops backend runs on Trainium and needs torch-neuronx and nki "
                            "(requirements-neuron.txt); use 'nki-sim' on CPU") from e
 
-    home = tensors[0].device
-    dev = [t if t.device.type == "neuron" else t.to("neuron") for t in tensors]
+    name = getattr(kernel, "__name__", str(kernel))
+    dev = device_args(tensors, name)
     res = kernel[_grid(True)](*[t.contiguous() for t in dev], **static)
-    if isinstance(res, (tuple, list)):
-        return tuple(r.to(home) for r in res)
-    return res.to(home)
+    return tuple(res) if isinstance(res, (tuple, list)) else res  # results stay on the device
 
 
 def _rows(x):

@@ -42,6 +42,8 @@ class Collectives:
     def all_reduce(self, t: torch.Tensor, group: str, label: str = "all_reduce") -> torch.Tensor:
         if self.size(group) == 1:
             return t
+        if torch.compiler.is_compiling():  # inside a traced static graph: see _traced
+            return _traced().all_reduce(t, "sum", self.groups[group])
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -52,6 +54,9 @@ class Collectives:
     def all_gather(self, t: torch.Tensor, group: str, label: str = "all_gather") -> list[torch.Tensor]:
         if self.size(group) == 1:
             return [t]
+        if torch.compiler.is_compiling():
+            full = _traced().all_gather_tensor(t.contiguous(), 0, self.groups[group])
+            return list(full.chunk(self.size(group), dim=0))
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -70,6 +75,13 @@ class Collectives:
         self._count(group, "broadcast", t.numel() * t.element_size(), t0)
         return t
 
+    def count_traced(self, counts: dict[str, int]) -> None:
+        """Book the collectives of one compiled-graph execution (calls only: inside a graph they
+        cannot be timed or sized from here), under group 'graph'."""
+        for op, n in counts.items():
+            for d in (self.total, self.step):
+                d[("graph", op)][0] += n
+
     def begin_step(self) -> None:
         self.step = defaultdict(lambda: [0, 0, 0.0])
 
@@ -86,6 +98,33 @@ class Collectives:
     def as_json(counts: dict) -> dict:
         return {f"{g}.{o}": {"calls": c[0], "bytes": c[1], "seconds": round(c[2], 6)}
                 for (g, o), c in sorted(counts.items())}
+
+
+def _traced():
+    """Functional collectives (torch.distributed._functional_collectives: out-of-place, one
+    `_c10d_functional` op + wait_tensor in the graph), which torch.compile(fullgraph=True) captures
+    into the static graphs; the in-place dist calls and the host counters above cannot be traced.
+    Counting stays outside the graph: the compile backend counts the collective nodes of each graph
+    (`graph_collectives`) and the runner adds them per execution."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def graph_collectives(gm) -> dict[str, int]:
+    """Collective ops in a captured FX graph, by op name (all_reduce, all_gather_into_tensor, ...)."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if "c10d_functional" in name or "_functional_collectives" in name:
+            op = name.split(".")[-2] if name.endswith(".default") else name.split(".")[-1]
+            if op not in ("wait_tensor",):
+                out[op] = out.get(op, 0) + 1
+        elif getattr(node.target, "__name__", "") in ("all_reduce", "all_gather_tensor", "broadcast"):
+            out[node.target.__name__] = out.get(node.target.__name__, 0) + 1
+    return out
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 60.0) -> tuple[Layout, Collectives]:

@@ -83,6 +83,19 @@ class ServingMetrics:
         self._engine_counts = {"rejected": 0, "expired": 0}
         self._engine_epoch = 0
 
+        # the decode path reports itself (engine stats): averages over decode steps (no prefill rows)
+        self.decode_steps = family("v4flash:decode_steps", "Engine decode steps so far (steps with no prefill rows)",
+                                   F.GAUGE).Metric(labels=labels)
+        self.graphs_per_step = family("v4flash:decode_graph_executions_per_step",
+                                      "Graph executions per decode step (0: the eager op-by-op forward)",
+                                      F.GAUGE).Metric(labels=labels)
+        self.host_syncs_per_step = family("v4flash:decode_host_syncs_per_step",
+                                          "Device-to-host reads per decode step other than the committed tokens",
+                                          F.GAUGE).Metric(labels=labels)
+        self.h2d_bytes_per_step = family("v4flash:decode_host_to_device_bytes_per_step",
+                                         "Host-to-device bytes per decode step (plans, noise keys, uploads)",
+                                         F.GAUGE).Metric(labels=labels)
+
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
         """``n`` generated tokens sent in one response; ``gap_s`` since the previous response
@@ -134,10 +147,19 @@ class ServingMetrics:
                 metric.increment(delta)
             self._engine_counts[name] = total
 
+    def set_decode(self, st: dict) -> None:
+        """The decode-step counters of an engine stats dict (absent keys: left as they are)."""
+        for key, metric in (("decode_steps", self.decode_steps), ("graphs_per_step", self.graphs_per_step),
+                            ("host_syncs_per_step", self.host_syncs_per_step),
+                            ("host_to_device_bytes_per_step", self.h2d_bytes_per_step)):
+            if key in st:
+                metric.set(float(st[key]))
+
     def close(self) -> None:
         # Metric objects must go before their families (the stub refuses otherwise).
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
-                     "rejected", "expired"):
+                     "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
+                     "h2d_bytes_per_step"):
             setattr(self, name, None)
         self._families.clear()

@@ -270,6 +270,7 @@ class GenerateService:
                 self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
                 self.metrics.set_queue(int(st.get("waiting", 0)), int(st.get("rejected", 0)),
                                        int(st.get("expired", 0)), int(st.get("restarts") or 0))
+                self.metrics.set_decode(st)
                 failed = False
             except Exception as exc:
                 if not failed:  # log once per outage, not twice a second

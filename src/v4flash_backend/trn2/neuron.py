@@ -32,7 +32,9 @@ from v4flash_backend import ops
 from v4flash_backend.engine.runner import LocalRunner
 
 from .static_step import (
+    BoundarySpy,
     Bucket,
+    HostSyncCounter,
     StaticDecoder,
     bucket_sizes,
     graph_host_syncs,
@@ -138,6 +140,7 @@ def import_neuron(s: NeuronSettings):
 class CompileStats:
     graphs: int = 0  # graphs handed to the backend (one per bucket and entry point)
     seconds: float = 0.0
+    collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
 
 
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
@@ -156,13 +159,24 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         syncs = graph_host_syncs(gm)
         if syncs:
             raise HostSyncInGraph(f"host syncs in a static graph: {syncs}")
+        from v4flash_backend.parallel.collectives import graph_collectives
+
+        traced["collectives"] = graph_collectives(gm)
+        stats.collectives.append(traced["collectives"])
         t0 = time.perf_counter()
         out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
         return out
 
-    return torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+    traced: dict = {}
+    compiled = torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
+    return run
 
 
 def decode_buckets(max_num_seqs: int, max_model_len: int, rows: int, min_ctx: int = 256) -> list[Bucket]:
@@ -194,9 +208,60 @@ class StaticGraphs:
     buckets: list[Bucket]
     settings: NeuronSettings = field(default_factory=NeuronSettings)
     stats: CompileStats = field(default_factory=CompileStats)
+    blocks: object = None  # static_round.BlockState: the served round graphs (None: bare verify/draft)
     executions: int = 0  # graph executions (verify + draft calls)
     _verify: dict = field(default_factory=dict)
     _draft: dict = field(default_factory=dict)
+    _rverify: dict = field(default_factory=dict)
+    _rdraft: dict = field(default_factory=dict)
+
+    # ---- the served decode round (static_round) -----------------------------------------------------
+    def round_verify_graph(self, b: Bucket):
+        if b not in self._rverify:
+            from .static_round import verify_round
+
+            dec, blk = self.decoder, self.blocks
+            self._rverify[b] = compile_step(
+                lambda slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids:
+                verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed, rnd,
+                             budget, stop_ids), self.settings, self.stats)
+        return self._rverify[b]
+
+    def round_draft_graph(self, b: Bucket, mode: str, fixed_len: int):
+        key = (b.seqs, b.rows, mode, fixed_len if mode == "fixed" else 0)
+        if key not in self._rdraft:
+            from .static_round import draft_round
+
+            dec, blk = self.decoder, self.blocks
+            self._rdraft[key] = compile_step(
+                lambda *a: draft_round(dec, blk, mode, fixed_len, *a), self.settings, self.stats)
+        return self._rdraft[key]
+
+    def _ran(self, graph) -> None:
+        """Count one graph execution and the collectives traced into it (counting stays outside
+        the graph: the compile backend listed them, `Collectives.count_traced` books them)."""
+        self.executions += 1
+        counts = getattr(graph, "traced", {}).get("collectives")
+        comm = getattr(getattr(self.decoder, "m", None), "comm", None)
+        if counts and hasattr(comm, "coll"):
+            comm.coll.count_traced(counts)
+
+    def round(self, b: Bucket, mode: str, fixed_len: int, x: dict) -> torch.Tensor:
+        """One decode round: graph 1, then (with DSpark) graph 2; returns the [S, G+5] read-back."""
+        from .static_round import pack
+
+        g1 = self.round_verify_graph(b)
+        tokens_out, committed, accepted, stopped, taps = g1(
+            x["slot"], x["start"], x["n"], x["pending"], x["temperature"], x["top_k"], x["top_p"], x["seed"],
+            x["rnd"], x["budget"], x["stop_ids"])
+        self._ran(g1)
+        if mode == "off":
+            return pack(tokens_out, committed, accepted, stopped, torch.zeros_like(committed))
+        g2 = self.round_draft_graph(b, mode, fixed_len)
+        out = g2(taps, committed, tokens_out, accepted, stopped, x["slot"], x["start"], x["n"], x["temperature"],
+                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"])
+        self._ran(g2)
+        return out
 
     def verify_graph(self, b: Bucket):
         if b not in self._verify:
@@ -219,14 +284,38 @@ class StaticGraphs:
         self.executions += 1
         return self.draft_graph(b)(taps, commit, slot, start, anchor)
 
-    def warm_up(self, progress=sys.stderr) -> float:
+    def round_padding(self, b: Bucket, stop_width: int) -> dict:
+        """Inputs of a round of padding sequences only (scratch slot, no valid row): it changes no
+        real slot's state, so it compiles the round graphs at start."""
+        S, z = b.seqs, torch.zeros(b.seqs, dtype=torch.long)
+        return dict(slot=torch.full((S,), self.decoder.scratch, dtype=torch.long), start=z, n=z.clone(),
+                    pending=z.clone(), temperature=torch.zeros(S, dtype=torch.float64), top_k=z.clone(),
+                    top_p=torch.ones(S, dtype=torch.float64), seed=z.clone(), rnd=z.clone(), budget=z.clone(),
+                    len_left=z.clone(), stop_ids=torch.full((S, stop_width), -1, dtype=torch.long),
+                    sps_t=pad_sps(None))
+
+    def warm_up(self, progress=sys.stderr, mode: str | None = None, fixed_len: int = 0,
+                stop_width: int = 8) -> float:
         """Compile (or load from the cache) every bucket's graphs by running them on padding plans,
-        which leave the state untouched. Returns the seconds it took."""
+        which leave the state untouched. With `blocks` (the served runner) these are the round
+        graphs of spec mode `mode`. Returns the seconds it took."""
         dec = self.decoder
         bar = _Progress(len(self.buckets), progress)
         t0 = time.perf_counter()
         bar.show(0, "")
+        if self.blocks is not None and self.buckets and self.settings.backend != "none":
+            # one uncompiled padding round first fills the host-side caches of the ops backend and
+            # of DistComm (dequantized weights): traced before that, the graphs would capture the
+            # cache fills and be re-traced once serving has filled them
+            b = self.buckets[0]
+            none = NeuronSettings(backend="none")
+            StaticGraphs(dec, [b], none, blocks=self.blocks).round(b, mode or "off", fixed_len,
+                                                                  self.round_padding(b, stop_width))
         for i, b in enumerate(self.buckets):
+            if self.blocks is not None:
+                self.round(b, mode or "off", fixed_len, self.round_padding(b, stop_width))
+                bar.show(i + 1, str(b))
+                continue
             tokens, slot, start, n = dec.padding_plan(b.seqs, b.rows)
             _, taps = self.verify_graph(b)(tokens, slot, start, n)
             if dec.drafter is not None and taps is not None:
@@ -235,90 +324,214 @@ class StaticGraphs:
         return time.perf_counter() - t0
 
 
+SPS_WIDTH = 16  # SPS table entries a round takes (padded with its last entry: same lookups)
+
+
+def pad_sps(sps_t: torch.Tensor | None) -> torch.Tensor:
+    """An SPS table [2, n] padded to [2, SPS_WIDTH] (a fixed graph input shape); None: a dummy."""
+    if sps_t is None:
+        return torch.ones(2, SPS_WIDTH, dtype=torch.float64)
+    if sps_t.shape[1] > SPS_WIDTH:
+        raise ValueError(f"an SPS table of {sps_t.shape[1]} sizes (at most {SPS_WIDTH})")
+    pad = sps_t[:, -1:].expand(2, SPS_WIDTH - sps_t.shape[1])
+    return torch.cat([sps_t.double(), pad], 1)
+
+
 class StaticRunner(LocalRunner):
-    """`LocalRunner` whose decode steps run the static graphs of a bucket. A step is static when
-    every segment continues a sequence (start > 0) with at most `rows` rows; its logits come back for
-    the requested rows exactly as `LocalRunner.forward` returns them. The DSpark call after a
-    static step runs the bucket's draft graph when its writes are the leading rows of that step's
-    sequences; otherwise both fall back to the eager forward (prefill chunks, mixed steps)."""
+    """The served static decode path: `LocalRunner` (prefill chunks and mixed steps run the eager
+    forward) plus `decode_round`, which runs a decode step as the bucket's two round graphs
+    (`static_round`: verify + acceptance + sampling; DSpark rings + draft + Markov drafting +
+    confidence + admission) over state that stays where the model is: the KV caches, the DSpark
+    rings and the per-slot draft blocks. A round moves in only its plan (int64 / float64 vectors of
+    the bucket's S rows, and the SPS table) and moves out one [S, G+5] int64 tensor."""
+
+    decode_graph = "static"
+    static_rounds = True
 
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
-                 settings: NeuronSettings | None = None, margin: int = 8):
+                 settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0):
         super().__init__(model, num_slots + 1, max_len, margin)  # + the scratch slot
-        rows = 1 + (model.cfg.dspark_block_size or 0)
+        _settle_weights(model)
+        settings = settings or NeuronSettings()
+        self.G = model.cfg.dspark_block_size or 0
+        rows = 1 + self.G
         self.decoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=rows)
         self.buckets = buckets or decode_buckets(num_slots, max_len, rows)
-        self.graphs = StaticGraphs(self.decoder, self.buckets, settings or NeuronSettings())
-        self._last = None  # (bucket, plan, taps, seq -> bucket row offset) of the last static step
+        from .static_round import BlockState
+
+        self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
+        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks)
+        # prefill graphs (prefill_rows > 0): one sequence's chunk of up to prefill_rows rows (<= the
+        # port's 4096-token segment), padded into the next power-of-two row bucket
+        self.pgraphs = None
+        if prefill_rows:
+            prefill_rows = min(prefill_rows, 4096)
+            self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=prefill_rows, prefill=True)
+            pb = [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
+                  for L in bucket_sizes(max_len, min(256, max_len))]
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
+        self.counters["prefill_graphs"] = 0
+
+    def warm_up_prefill(self, progress=None) -> None:
+        """Compile every prefill bucket on a padding chunk (it writes nothing)."""
+        if self.pgraphs is None or self.pgraphs.settings.backend == "none":
+            return
+        bar = _Progress(len(self.pgraphs.buckets), progress)
+        for i, b in enumerate(self.pgraphs.buckets):
+            self.pgraphs.verify_graph(b)(*self.pdecoder.padding_plan(1, b.rows))
+            bar.show(i + 1, f"prefill {b}")
 
     def forward(self, tokens, spec, logits_rows, want_taps):
-        rows = self.buckets[0].rows
-        if not spec or any(start == 0 or n > rows or n == 0 for _, start, n in spec):
-            self._last = None
+        """A step that is one sequence's prefill chunk runs the prefill graph of its bucket (a chunk
+        and the decode rows of other sequences in one step: the eager forward)."""
+        if self.pgraphs is None or len(spec) != 1 or spec[0][0] == self.decoder.scratch:
             return super().forward(tokens, spec, logits_rows, want_taps)
+        slot, start, n = spec[0]
         try:
-            b = pick_bucket(self.buckets, len(spec), max(n for *_, n in spec), max(s + n for _, s, n in spec))
-        except ValueError:  # more sequences or context than any bucket: the eager forward
-            self._last = None
+            b = pick_bucket(self.pgraphs.buckets, 1, n, start + n)
+        except ValueError:
             return super().forward(tokens, spec, logits_rows, want_taps)
-        slot, start, n = ([x[i] for x in spec] + [pad] * (b.seqs - len(spec))
-                          for i, pad in ((0, self.decoder.scratch), (1, 0), (2, 0)))
-        self.decoder.check_plan(b, slot, start, n)
-        flat = torch.zeros(b.seqs, b.rows, dtype=torch.long)
-        where, off = [], 0  # bucket row of each flattened input row
-        for i, (_, _, k) in enumerate(spec):
-            flat[i, :k] = tokens[off:off + k]
-            where += range(i * b.rows, i * b.rows + k)
-            off += k
-        plan = (flat, torch.tensor(slot), torch.tensor(start), torch.tensor(n))
-        logits, taps = self.graphs.verify(b, *plan)
-        where = torch.tensor(where)
-        if isinstance(logits_rows, str):
-            pick = {"all": where, "last": torch.tensor([where[sum(x[2] for x in spec[:i + 1]) - 1]
-                                                        for i in range(len(spec))]), "none": None}[logits_rows]
-        else:
-            pick = where[torch.as_tensor(logits_rows, dtype=torch.long)]
-        self._last = (b, plan, taps, {s[0]: i for i, s in enumerate(spec)})
-        self.last_taps = taps[where] if taps is not None else None
         from v4flash_backend.model.transformer import StepOutput
 
-        return StepOutput(None if pick is None else logits[pick], self.last_taps if want_taps else None, None)
+        tok = torch.zeros(1, b.rows, dtype=torch.long)
+        tok[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
+        plan = (tok, torch.tensor([slot]), torch.tensor([start]), torch.tensor([n]))
+        before = self.pgraphs.executions
+        logits, taps = self.pgraphs.verify(b, *plan)
+        self.last_taps = taps[:n] if taps is not None else None
+        if isinstance(logits_rows, str):
+            pick = {"all": slice(0, n), "last": slice(n - 1, n), "none": None}[logits_rows]
+        else:
+            pick = torch.as_tensor(logits_rows, dtype=torch.long)
+        out = None if pick is None else logits[pick]
+        self._count(out is not None, sum(t.numel() * 8 for t in plan), self.pgraphs.executions - before)
+        self.counters["prefill_graphs"] += 1
+        return StepOutput(out, self.last_taps if want_taps else None, None)
 
-    def dspark(self, writes, items):
-        last = self._last
-        static = last is not None and items and len(items) == len({s for s, _, _ in items})
-        if static:
-            b, (flat, slot, start, n), taps, seq_of = last
-            commit = torch.zeros(b.seqs, dtype=torch.long)
-            anchor = torch.zeros(b.seqs, dtype=torch.long)
-            offsets = self.last_taps_offsets(last)
-            for s, rows, positions in writes:  # committed rows must be a sequence's leading rows
-                i = seq_of.get(s)
-                k = len(rows)
-                if i is None or k == 0 or rows.tolist() != list(range(offsets[i], offsets[i] + k)) or \
-                        int(positions[0]) != int(start[i]):
-                    static = False
-                    break
-                commit[i] = k
-            for s, p, a in items if static else ():
-                i = seq_of.get(s)
-                if i is None or p != int(start[i]) + int(commit[i]) - 1:
-                    static = False
-                    break
-                anchor[i] = a
-        if not static:
-            self._last = None
-            return super().dspark(writes, items)
-        # sequences without a draft item still get their ring writes; their draft rows are dropped
-        U, hidden, *_ = self.graphs.draft(b, taps, commit, slot, start, anchor)
-        keep = torch.tensor([seq_of[s] for s, _, _ in items])
-        from v4flash_backend.model.dspark import DraftOutput
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """What stays on the device: the weights, every per-slot cache, the draft blocks."""
+        st = self.state
+        out = list(self.model.W.values())
+        for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
+            out += list(d.values())
+        return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
 
-        self._last = None
-        return DraftOutput(U[keep], hidden[keep])
+    def round_fits(self, seqs: int, ctx_needed: int) -> bool:
+        try:
+            pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
+        except ValueError:
+            return False
+        return True
 
-    @staticmethod
-    def last_taps_offsets(last) -> list[int]:
-        """Row offset of each sequence in the flattened forward (the engine's row numbering)."""
-        _, (_, _, _, n), _, _ = last
-        return [int(v) for v in torch.cumsum(n, 0) - n]
+    def load_block(self, slot: int, block) -> None:
+        """A draft block drafted on the host (an eager step) into the per-slot state."""
+        tokens, _, q, z = block
+        self.blocks.tokens[slot] = tokens
+        self.blocks.q[slot] = q.float()
+        self.blocks.z[slot] = z.float()
+        self._count(0, tokens.numel() * 8 + q.numel() * 4 + z.numel() * 4)
+
+    def read_block(self, slot: int):
+        """The per-slot draft block for an eager step (a device-to-host read: counted)."""
+        self._count(1, 0)
+        b = self.blocks
+        return b.tokens[slot].clone(), torch.zeros_like(b.tokens[slot]), b.q[slot].clone(), b.z[slot].clone()
+
+    def round_inputs(self, plan: dict):
+        """(bucket, inputs) of a round plan, padded to the bucket with padding sequences."""
+        S = len(plan["slot"])
+        b = pick_bucket(self.buckets, S, 1 + self.G, max(a + 1 + e for a, e in zip(plan["start"], plan["ell"])))
+        pad = b.seqs - S
+        self.decoder.check_plan(b, plan["slot"], plan["start"], [1 + e for e in plan["ell"]])
+
+        def col(name, fill, dtype=torch.long):
+            return torch.tensor(list(plan[name]) + [fill] * pad, dtype=dtype)
+
+        x = dict(slot=col("slot", self.decoder.scratch), start=col("start", 0),
+                 n=torch.tensor([1 + e for e in plan["ell"]] + [0] * pad, dtype=torch.long),
+                 pending=col("pending", 0), temperature=col("temperature", 0.0, torch.float64),
+                 top_k=col("top_k", 0), top_p=col("top_p", 1.0, torch.float64), seed=col("seed", 0),
+                 rnd=col("rnd", 0), budget=col("budget", 0), len_left=col("len_left", 0),
+                 stop_ids=torch.tensor([list(r) for r in plan["stop_ids"]] + [[-1] * len(plan["stop_ids"][0])] * pad,
+                                       dtype=torch.long),
+                 sps_t=pad_sps(plan.get("sps")))
+        return b, x
+
+    def decode_round(self, plan: dict) -> list[list[int]]:
+        b, x = self.round_inputs(plan)
+        mode = plan["spec_mode"] if self.G else "off"
+        h2d = sum(t.numel() * t.element_size() for t in x.values())
+        counting = self.graphs.settings.backend == "none"  # op by op: watch for syncs (compiled: refused at compile)
+        ctx = HostSyncCounter() if counting else _Null()
+        spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
+        before = self.graphs.executions
+        with spy:
+            with ctx:  # host syncs inside the round (the read-back below is not one)
+                out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
+            rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
+        self._count(ctx.total, h2d, self.graphs.executions - before)
+        if isinstance(spy, BoundarySpy):
+            c = self.counters
+            c["boundary_resident_moves"] = c.get("boundary_resident_moves", 0) + spy.resident_moves
+            c["boundary_reads"] = c.get("boundary_reads", 0) + spy.reads
+        self.counters["graphs_compiled"] = self.graphs.stats.graphs
+        return rows
+
+
+def _move_attrs(obj, device) -> int:
+    """Move every tensor attribute (and every tensor value of a dict attribute) of obj; returns
+    how many tensors it placed."""
+    n = 0
+    for name, v in list(vars(obj).items()):
+        if isinstance(v, torch.Tensor):
+            setattr(obj, name, v.to(device))
+            n += 1
+        elif isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values()):
+            for k in v:
+                v[k] = v[k].to(device)
+            n += len(v)
+    return n
+
+
+def place_resident(runner: "StaticRunner", device) -> int:
+    """Put the rank's weight shard, every per-slot cache (KV rings, compressed KV, index keys,
+    compressor pending rows, DSpark rings, Engram history), the draft blocks and the RoPE / Engram
+    tables on `device` once, at load (the rank's NeuronCore on trn2; 'cpu' here, where it is a
+    no-op). A decode round then moves only its plan in and its committed tokens out. Returns the
+    number of tensors placed."""
+    W = runner.model.W
+    for k in list(W.keys()):
+        W[k] = W[k].to(device)
+    n = len(W)
+    W.meta.pop("stacked", None)  # the stacked experts (W's expert entries are views of them): rebuilt there
+    _settle_weights(runner.model)
+    n += _move_attrs(runner.state, device) + _move_attrs(runner.blocks, device)
+    for rope in list(runner.decoder.ropes.values()) + list(runner.model.ropes.values()):
+        n += _move_attrs(rope, device)
+    hasher = getattr(runner.model, "hasher", None)
+    if hasher is not None and hasattr(hasher, "to"):
+        hasher.to(device)
+    return n
+
+
+def _settle_weights(model) -> None:
+    """Fill the weight dict's lazy metadata now (expert lists; the stacked expert weights, which
+    replace W's per-expert entries by views): the eager forward would otherwise do it on its first
+    call and change objects the compiled graphs were traced against (a re-trace while serving)."""
+    from v4flash_backend.model.ffn import local_experts, stacked_experts
+
+    prefixes = sorted({k.split(".experts.")[0] for k in model.W if ".experts." in k})
+    for p in prefixes:
+        local_experts(model.W, p)
+        stacked_experts(model.W, p)
+
+
+class _Null:
+    total = 0
+    resident_moves = reads = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -31,66 +31,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from v4flash_backend import ops
-from v4flash_backend.formats import quant
-from v4flash_backend.model.attention import candidate_blocks, grouped_out, topk_idx
+from v4flash_backend.engine.device_boundary import (  # noqa: F401  (re-exported)
+    _SYNC_NAMES,
+    BoundarySpy,
+    HostSyncCounter,
+    graph_host_syncs,
+)
+from v4flash_backend.model import attention as A
+from v4flash_backend.model.attention import grouped_out
 from v4flash_backend.model.ffn import engram, expert, local_experts, route
 from v4flash_backend.model.rope import Rope
 from v4flash_backend.model.transformer import stream_mean
-from v4flash_backend.model.weights import linear
-
-# ---- host-sync detection ------------------------------------------------------------------------
-# Tensor methods / torch functions that read device values on the host (or whose output shape
-# depends on them, which is the same stall on a device): inside a step each is a host sync.
-_SYNC_NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-                         "numpy", "cpu", "nonzero", "argwhere", "unique", "unique_consecutive",
-                         "masked_select", "__repr__", "__format__", "bincount"})
-
-
-class HostSyncCounter(TorchFunctionMode):
-    """Counts host syncs (by op name) of the torch code that runs inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        sync = name in _SYNC_NAMES
-        if name == "where" and len(args) + len(kwargs) == 1:  # torch.where(cond) is nonzero
-            sync = True
-        if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor):
-            sync = True  # tensor repeats: the output length is data-dependent
-        if sync:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **kwargs)
-
-    @property
-    def total(self) -> int:
-        return sum(self.calls.values())
-
-
-def graph_host_syncs(gm) -> list[str]:
-    """Host syncs left in a captured FX graph. torch.compile(fullgraph=True) raises on a
-    data-dependent Python branch or .tolist(), but captures `.item()` and `nonzero` into the graph
-    (as scalar / dynamic-shape ops) -- on a device each of those still stalls on a device-to-host
-    read, so a compile backend of the static step checks the graph with this as well."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_method":
-            name = node.target
-        elif node.op == "call_function":
-            name = getattr(node.target, "__name__", str(node.target))
-        else:
-            continue
-        name = name.split(".")[-1]
-        if name in _SYNC_NAMES or name in ("_local_scalar_dense", "sym_constrain_range_for_size") or (
-                name == "where" and len(node.args) + len(node.kwargs) == 1):
-            found.append(str(node.target))
-    return found
 
 
 # ---- buckets -------------------------------------------------------------------------------------
@@ -192,13 +145,16 @@ class StaticDecoder:
     writes go there. The state's margin must cover the bucket's rows (rings hold window + margin).
     """
 
-    def __init__(self, model, state, scratch: int | None = None, max_rows: int | None = None):
+    def __init__(self, model, state, scratch: int | None = None, max_rows: int | None = None,
+                 prefill: bool = False):
         cfg = model.cfg
         self.m, self.cfg, self.state = model, cfg, state
         self.scratch = state.num_slots - 1 if scratch is None else scratch
         self.B = cfg.dspark_block_size
         self.max_rows = max_rows or (1 + self.B)
-        if self.max_rows > state.margin + 1:
+        # speculative rows may be rejected: their ring writes must not clobber rows a later step
+        # reads. Prefill rows are all committed (prefill=True: any row count).
+        if not prefill and self.max_rows > state.margin + 1:
             raise ValueError(f"{self.max_rows} rows per sequence need a state margin >= {self.max_rows - 1} "
                              f"(rings hold window + margin rows), got {state.margin}")
         if state.reference_quirks:
@@ -299,25 +255,31 @@ class StaticDecoder:
         st, hs = self.state, self.m.hasher
         N, R = self.cfg.engram_max_ngram_size, st.eng_ring
         comp = hs.token_map[tok].view(geo.S, geo.Q)  # ids are validated by the engine, not here
-        masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, geo.valid, self.scratch)
+        # the N - 1 positions before the step from the ring (read before it is written), then the
+        # step's own rows: any row count, and the ring keeps only the last R rows of a long chunk
+        old = st.engram_hist[geo.slot[:, None], (geo.start[:, None] - (N - 1) + torch.arange(N - 1)) % R]
+        span = torch.cat([old, comp], dim=1)  # [S, N-1+Q]: positions start-N+1 ..
         t = geo.pos[:, :, None] - torch.arange(N)
-        win = torch.where(t >= 0, st.engram_hist[geo.slot[:, None, None], t % R], -1)
+        j = (t - (geo.start[:, None, None] - (N - 1))).clamp_min(0)
+        win = torch.where(t >= 0, span.gather(1, j.flatten(1)).view(t.shape), -1)
+        masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, _last_rows(geo, R), self.scratch)
         return hs.hash_windows(win).flatten(0, 1)
 
     def _attention(self, layer: int, x: torch.Tensor, geo: _Geometry, shared: dict, ctx: int) -> torch.Tensor:
         W, cfg, st = self.m.W, self.cfg, self.state
         p = f"layers.{layer}.attn"
-        hd, eps, Wn = cfg.head_dim, cfg.norm_eps, cfg.window_size
+        hd = cfg.head_dim
         S, Q = geo.S, geo.Q
         rope = self.ropes[layer]
-        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), geo.flat_pos)
-        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], eps)
-        kv = quant.fp8_act_qdq(rope.apply(kv, geo.flat_pos))
+        qr, q = A.query(W, cfg, p, x, rope, geo.flat_pos)
+        kv = A.window_kv(W, cfg, p, x, rope, geo.flat_pos)
         ring = st.window[layer]
         R = ring.shape[1]
-        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), geo.valid, self.scratch)
-        kv_all = ring[geo.slot[:, None], geo.span_pos % R]  # [S, Wn-1+Q, hd]
+        # the span: the window - 1 cached positions before the step (read before the write), then
+        # the step's rows; only the last R rows of a long (prefill) chunk go into the ring
+        old = ring[geo.slot[:, None], geo.span_pos[:, :cfg.window_size - 1] % R]
+        kv_all = torch.cat([old, kv.view(S, Q, hd)], dim=1)  # [S, Wn-1+Q, hd]
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, hd), _last_rows(geo, R), self.scratch)
         idx = geo.widx
         ratio = cfg.compress_ratios[layer]
         if ratio:
@@ -331,8 +293,8 @@ class StaticDecoder:
                 shared["topk"] = cidx
             else:
                 cidx = shared["topk"]
-            if latent is not None:  # RoPE at the group's first position, then fp4 (groups of 16, e4m3 scales)
-                lat = quant.fp4_qdq(rope.apply(latent.flatten(0, 1), (gids * ratio).flatten()), 16, "e4m3")
+            if latent is not None:
+                lat = A.compressed_kv(latent.flatten(0, 1), rope, (gids * ratio).flatten())
                 masked_put(st.ckv[layer], geo.slot[:, None], gids, lat.view(gids.shape + (hd,)), gvalid,
                            self.scratch)
             comp = st.ckv[src][:, :C][geo.slot]  # [S, C, hd]
@@ -349,24 +311,32 @@ class StaticDecoder:
         r = cfg.compress_ratios[layer]
         p = f"layers.{layer}.attn.compressor"
         S, Q = geo.S, geo.Q
-        if r == 1:  # one token per group: no gate, bf16
-            lat = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".norm.weight"], cfg.norm_eps)
-            return lat.view(S, Q, -1), geo.pos, geo.valid
-        kv = linear(W, p + ".wkv", x.float())
-        score = linear(W, p + ".wgate", x.float())
+        if r == 1:
+            return A.compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, geo.valid
+        kv, score = A.compressor_rows(W, p, x)
         ring, sring, R = st.pend_kv[layer], st.pend_score[layer], st.pend_ring[layer]
-        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), geo.valid, self.scratch)
-        masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), geo.valid, self.scratch)
+        # the rows of the open group before the step (positions g0 .. start-1, from the pending ring,
+        # read before the write), then the step's rows
+        g0 = (geo.start // r) * r
+        prev = (g0[:, None] + torch.arange(r - 1)) % R
+        span_kv = torch.cat([ring[geo.slot[:, None], prev], kv.view(S, Q, -1)], dim=1)
+        span_sc = torch.cat([sring[geo.slot[:, None], prev], score.view(S, Q, -1)], dim=1)
+        keep = _last_rows(geo, R)
+        masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), keep, self.scratch)
+        masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), keep, self.scratch)
         G = -(-Q // r)  # a step of Q rows completes at most ceil(Q / r) groups
         j = torch.arange(G)
         gids = (geo.start // r)[:, None] + j
         gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
-        gpos = (gids[:, :, None] * r + torch.arange(r)) % R
-        sl = geo.slot[:, None, None]
-        # invalid groups may pool never-written rows (-inf scores -> NaN); they are never written
-        pooled = ops.softmax_pool(ring[sl, gpos], sring[sl, gpos])
-        lat = ops.rms_norm(pooled.to(torch.bfloat16), W[p + ".norm.weight"], cfg.norm_eps)
-        return lat, gids, gvalid
+        gp = gids[:, :, None] * r + torch.arange(r)  # [S, G, r] positions of each group's rows
+        st0 = geo.start[:, None, None]
+        idx = torch.where(gp < st0, gp - g0[:, None, None], (r - 1) + gp - st0).clamp(0, r - 2 + Q)
+        flat = idx.flatten(1)
+        d = span_kv.shape[-1]
+        gk = span_kv.gather(1, flat[:, :, None].expand(-1, -1, d)).view(S, G, r, d)
+        gs = span_sc.gather(1, flat[:, :, None].expand(-1, -1, span_sc.shape[-1])).view(S, G, r, -1)
+        # invalid groups pool garbage rows; they are never written
+        return A.pooled_latent(W, cfg, p, gk, gs), gids, gvalid
 
     def _indexer(self, layer, x, qr, geo: _Geometry, latent, gids, gvalid, shared: dict, C: int):
         """Compressed-slot picks [S, Q, k] (-1 = none) over the first C compressed rows."""
@@ -376,36 +346,27 @@ class StaticDecoder:
         src = cfg.kv_source_of(layer)
         S, Q = geo.S, geo.Q
         rope = self.ropes[layer]
-        if latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
-            k = ops.rms_norm(linear(W, p + ".wk", latent.flatten(0, 1)), W[p + ".k_norm.weight"], cfg.norm_eps)
-            k = quant.fp4_qdq(rope.apply(k, (gids * r).flatten()), 32, "ue8m0")
+        if latent is not None:  # publish index keys of the new groups
+            k = A.index_keys(W, cfg, p, latent.flatten(0, 1), rope, (gids * r).flatten())
             masked_put(st.ik[layer], geo.slot[:, None], gids, k.view(gids.shape + (-1,)), gvalid, self.scratch)
         ihd = cfg.index_head_dim
-        q = linear(W, p + ".wq_b", qr).unflatten(-1, (-1, ihd))
-        q = quant.fp4_qdq(rope.apply(q, geo.flat_pos), 32, "ue8m0")
+        q, w = A.index_query(W, cfg, p, x, qr, rope, geo.flat_pos)
         keys = st.ik[src][:, :C][geo.slot]  # [S, C, ihd]
-        w = linear(W, p + ".weights_proj", x) * (ihd ** -0.5 * cfg.index_n_heads ** -0.5)
         score = self.m.comm.index_scores(q.view(S, Q, -1, ihd), keys, w.view(S, Q, -1))
         clens = ((geo.pos + 1) // r).unsqueeze(-1)
-        score = score.masked_fill(torch.arange(C) >= clens, -torch.inf)
-        if layer == cfg.candidate_source_layer:
-            shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks,
-                                                    cfg.candidate_block_size)
-        elif 0 <= cfg.candidate_source_layer < layer:
-            score = score.masked_fill(~shared["candidates"], -torch.inf)
-        idx = topk_idx(score, min(cfg.index_topk, C)).sort(dim=-1).values
-        return torch.where(idx < clens, idx, -1)
+        return A.pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, C))
 
     # ---- the DSpark graph -----------------------------------------------------------------------------
     def draft(self, taps: torch.Tensor, commit: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
-              anchor: torch.Tensor):
+              anchor: torch.Tensor, greedy: bool = True):
         """Ring writes of the rows the last verify committed, then the draft block.
 
         taps [S*Q, taps*D] (the verify's, bucket layout); commit [S]: rows 0..commit-1 of each
         sequence are committed context (0: nothing to write, e.g. a padding sequence); the block sits
         at positions start + commit .. + B - 1 with `anchor` [S] (the bonus token) first.
         Returns (U [S, B, V] f32, hidden [S, B, D] bf16, greedy ids [S, B+1], greedy corrected logits
-        [S, B, V], confidence logits [S, B]) -- the greedy chain is `DSparkDrafter.greedy_chain`."""
+        [S, B, V], confidence logits [S, B]) -- the greedy chain is `DSparkDrafter.greedy_chain`;
+        greedy=False returns (U, hidden) only."""
         cfg, m, st, d = self.cfg, self.m, self.state, self.drafter
         S = slot.shape[0]
         Q = taps.shape[0] // S
@@ -436,24 +397,22 @@ class StaticDecoder:
         from v4flash_backend.model.dspark import DraftOutput
 
         out = DraftOutput(u.view(S, B, -1), x.view(S, B, -1))
+        if not greedy:  # the served round samples its own chain (static_round.draft_round)
+            return out.base_logits, out.hidden
         g_ids, g_logits, conf = d.greedy_chain(out, anchor)
         return out.base_logits, out.hidden, g_ids, g_logits, conf
 
     def _stage_kv(self, k: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A DSpark stage's main-KV of rows x (as DSparkDrafter.write_ring / _attention compute it)."""
-        W, cfg = self.m.W, self.cfg
-        p = f"mtp.{k}.attn"
-        kv = ops.rms_norm(linear(W, p + ".wkv", x), W[p + ".kv_norm.weight"], cfg.norm_eps)
-        return quant.fp8_act_qdq(self.ropes[cfg.n_layers + k].apply(kv, positions))
+        return A.window_kv(self.m.W, self.cfg, f"mtp.{k}.attn", x, self.ropes[self.cfg.n_layers + k], positions)
 
     def _stage_attention(self, k: int, x: torch.Tensor, slot, last, dpos) -> torch.Tensor:
         W, cfg, st = self.m.W, self.cfg, self.state
-        p, hd, eps, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.norm_eps, cfg.window_size, self.B
+        p, hd, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.window_size, self.B
         S = slot.shape[0]
         rope = self.ropes[cfg.n_layers + k]
         flat = dpos.reshape(-1)
-        qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], eps)
-        q = rope.apply(linear(W, p + ".wq_b", qr).unflatten(-1, (-1, hd)), flat)
+        _, q = A.query(W, cfg, p, x, rope, flat)
         kv = self._stage_kv(k, x, flat)
         bank = torch.cat([st.dspark[k][slot], kv.view(S, B, hd)], dim=1)  # [S, win + B, hd]
         # the eager slots: filled ring slots 0..m-1 in slot order, then the whole block (no causal
@@ -465,6 +424,12 @@ class StaticDecoder:
                             idx[:, None, :].expand(S, B, -1).int(), hd ** -0.5)
         o = rope.apply(o.flatten(0, 1), flat, inverse=True)
         return grouped_out(W, p, cfg, o, self.m.comm)
+
+
+def _last_rows(geo: _Geometry, R: int) -> torch.Tensor:
+    """The valid rows a ring of R rows keeps: the last R of each sequence's step (all of them in a
+    decode step; a long prefill chunk would otherwise write several rows into one ring slot)."""
+    return geo.valid & (geo.pos >= (geo.start + geo.n)[:, None] - R)
 
 
 def _join_slots(widx: torch.Tensor, cidx: torch.Tensor, width: torch.Tensor) -> torch.Tensor:

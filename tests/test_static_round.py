@@ -1,0 +1,313 @@
+"""The served static decode round (trn2/static_round.py) commits what eager serving commits.
+
+- The static forms of the sampling functions equal the host forms row by row, bit for bit, given
+  the same counter-based noise (exact equality: same ops on the same values, no tolerance).
+- Engine + StaticRunner (graphs run op by op) gives the same tokens as Engine + LocalRunner, greedy
+  and at T = 0.8 with a seed, in dspark and fixed spec modes, with 2 graph executions and 0 host
+  syncs per decode step; the SPS table is pinned (admission reads it, and a profiled table is a
+  timing, different per run).
+- A spy at the device boundary fails a decode round that moves a weight or cache tensor (negative
+  control: a round patched to read a cache back is caught).
+- Compiled (torch.compile fullgraph, the 'eager' dynamo backend): one graph per entry point, no
+  re-trace while serving, same tokens (slow).
+"""
+
+import pytest
+import torch
+
+from v4flash_backend import ops
+from v4flash_backend.engine import dspark_accept as acc
+from v4flash_backend.engine import noise
+from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_static, sps_tensors
+from v4flash_backend.engine.engine import STOP_WIDTH, Engine
+from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.engine.sampling import SamplingParams, process_logits, process_logits_static
+from v4flash_backend.engine.step_cost import StepCost
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
+from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.static_step import BoundarySpy
+
+SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
+PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
+
+
+def test_static_sampling_forms_equal_the_host_forms():
+    g = torch.Generator().manual_seed(0)
+    R, G, V = 3, 5, 50
+    T = torch.tensor([0.8, 0.0, 1.2], dtype=torch.float64)
+    K, P = torch.tensor([0, 0, 10]), torch.tensor([1.0, 1.0, 0.9], dtype=torch.float64)
+    params = SamplingParams(T, K, P)
+    x = torch.randn(R, V, generator=g)
+    assert torch.equal(process_logits(x, params), process_logits_static(x, T, K, P))
+    U, bias = torch.randn(R, G, V, generator=g), torch.randn(V, V, generator=g)
+    seeds, rnd, anchor = torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])
+    b1 = acc.markov_draft(U, anchor, lambda p: bias[p], params, noise.CounterSampler(seeds, rnd, noise.STREAM_DRAFT))
+    u = torch.stack([noise.call_uniforms(seeds, rnd, noise.STREAM_DRAFT, j, None) for j in range(G)], 1)
+    b2 = acc.markov_draft_static(U, anchor, lambda p: bias[p], T, K, P, u)
+    assert torch.equal(b1.tokens, b2.tokens) and torch.equal(b1.q_token, b2.q_token) and torch.equal(b1.z, b2.z)
+    for ell in (torch.tensor([2, 5, 0]), torch.tensor([5, 5, 5]), torch.tensor([0, 0, 0])):
+        lg = torch.randn(R, G + 1, V, generator=g)
+        flat = torch.cat([lg[r, :1 + ell[r]] for r in range(R)])
+        stop, mt = torch.full((R, 8), -1), torch.tensor([100, 3, 100])
+        r1 = acc.verify(flat, b1, ell, params, noise.CounterSampler(seeds, rnd, noise.STREAM_VERIFY), stop, mt)
+        r2 = acc.verify_static(lg, b2.tokens, b2.q_token, b2.z, ell, T, K, P,
+                               noise.call_uniforms(seeds, rnd, noise.STREAM_VERIFY, 0, G),
+                               noise.call_uniforms(seeds, rnd, noise.STREAM_VERIFY, 1, None), stop, mt)
+        for f in ("tokens", "num_tokens", "accepted", "stopped"):
+            assert torch.equal(getattr(r1, f), getattr(r2, f)), f
+    c = torch.rand(4, G, generator=g)
+    live = torch.tensor([True, False, True, True])
+    assert torch.equal(admit(c[live], SPS), admit_static(c, live, pad_sps(sps_tensors(SPS)))[live])
+
+
+def test_noise_is_uniform_and_keyed():
+    u = noise.uniforms(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 1, torch.arange(8))
+    assert u.shape == (2000, 8) and 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01  # 16000 draws: sd of the mean ~0.0023
+    v = noise.uniforms(torch.arange(2000), torch.ones(2000, dtype=torch.long), 1, torch.arange(8))
+    assert not torch.equal(u, v)  # another round, other draws
+
+
+def _run(runner, T, mode, max_tokens=12, seed=7):
+    eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode=mode))
+    eng.cost = StepCost(SPS)
+    ev = eng.run_request(GenerateRequest(prompt=list(PROMPT), max_tokens=max_tokens, temperature=T, seed=seed,
+                                         ignore_eos=True))
+    return [t for e in ev for t in e.token_ids], eng.stats()
+
+
+@pytest.mark.parametrize("mode", ["dspark", "fixed"])
+def test_static_round_serves_the_eager_tokens(tiny_model, mode):
+    for T in (0.0, 0.8):
+        want, est = _run(LocalRunner(tiny_model, 3, 64), T, mode)
+        got, st = _run(StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none")), T, mode)
+        assert got == want and len(got) == 12, (mode, T)
+        assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] >= 2
+        assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
+        assert est["host_syncs_per_step"] > 10  # the eager forward's syncs are seen (not a vacuous counter)
+        assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
+
+
+def _resident(runner) -> list[torch.Tensor]:
+    return runner.resident_tensors()
+
+
+def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):
+    sr = StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"))
+    eng = Engine(sr, Settings(max_num_seqs=2, max_model_len=64))
+    eng.cost = StepCost(SPS)
+    eng.submit(GenerateRequest(prompt=list(PROMPT), max_tokens=20, ignore_eos=True))
+    eng.step()  # prefill (eager)
+    eng.step()  # first round (uploads the host-drafted block: not a steady step)
+    spy = BoundarySpy(_resident(sr))
+    with spy:
+        eng.step()
+    assert eng.decode_totals["static_steps"] == 2
+    assert not [m for m in spy.moves if m[1]], spy.moves
+    reads = [m for m in spy.moves if m[0] in ("tolist", "item", "numpy", "cpu")]
+    assert reads == [("tolist", False)]  # the one read-back: committed tokens + counts
+    # negative control: a round that reads a cache back is caught
+    orig = sr.decoder.verify
+
+    def leaky(*a, **k):
+        sr.state.window[0].cpu()
+        return orig(*a, **k)
+
+    monkeypatch.setattr(sr.decoder, "verify", leaky)
+    spy = BoundarySpy(_resident(sr))
+    with spy:
+        eng.step()
+    assert ("cpu", True) in spy.moves
+
+
+@pytest.mark.slow
+def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
+    """torch.compile(fullgraph=True) with the 'eager' dynamo backend (captures the whole graph,
+    then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point,
+    none re-traced while serving, no host sync in a graph (compile_step refuses one)."""
+    ops.set_numerics("exact")
+    sr = StaticRunner(tiny_model, 1, 40, settings=NeuronSettings(backend="eager"))
+    sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
+    assert sr.graphs.stats.graphs == 2
+    eng = Engine(sr, Settings(max_num_seqs=1, max_model_len=40))
+    eng.cost = StepCost(SPS)
+    ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
+    got = [t for e in ev for t in e.token_ids]
+    assert sr.graphs.stats.graphs == 2, "a graph was re-traced while serving"
+    eng2 = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+    eng2.cost = StepCost(SPS)
+    ev2 = eng2.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7,
+                                           ignore_eos=True))
+    assert got == [t for e in ev2 for t in e.token_ids]
+    assert eng.stats()["graphs_per_step"] == 2 and eng.stats()["host_syncs_per_step"] == 0
+
+
+@pytest.mark.slow
+def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, tmp_path):
+    """torchrun + gloo, W = 2, the round graphs compiled (fullgraph, 'eager' dynamo backend) with the
+    functional collectives inside them: the same tokens as the in-process W = 1 eager engine, greedy
+    and at T = 0.8 with a seed (same pinned SPS table), no graph re-traced while serving, 2 graph
+    executions and 0 host syncs per decode step, the traced collectives counted outside the graphs."""
+    from v4flash_backend.group.rank_group import RankGroup
+
+    sps_path = tmp_path / "sps.json"
+    SPS.save(sps_path)
+    settings = Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
+                        prefill_chunk=16,  # one prefill bucket (16 rows): one more compiled graph
+                        decode_graph="static", graph_backend="eager", sps_path=str(sps_path),
+                        startup_timeout_s=600.0, collective_timeout_s=120.0)
+    reqs = [(PROMPT[:6], 8, 0.0, None), (PROMPT[:6], 8, 0.8, 7)]
+    g = RankGroup.launch(settings)
+    try:
+        got = []
+        for p, k, t, s in reqs:
+            params = {"max_tokens": k, "temperature": t, "ignore_eos": True} | ({"seed": s} if s is not None else {})
+            got.append([i for ev in g.submit(p, params) for i in ev["token_ids"]])
+        st = g.stats()
+    finally:
+        g.shutdown(timeout=60)
+    want = []
+    for p, k, t, s in reqs:
+        eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+        eng.cost = StepCost(SPS)
+        ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
+        want.append([i for e in ev for i in e.token_ids])
+    assert got == want
+    e = st["engine"]
+    assert e["decode_graph"] == "static" and e["static_steps"] == e["decode_steps"] > 0
+    assert e["graphs_compiled"] == 2, "a graph was re-traced while serving (or more than one per entry point)"
+    assert e["prefill_graphs"] == 2  # one prompt chunk per request, through the compiled prefill graph
+    assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
+    traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
+    assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
+
+
+def test_place_resident_moves_every_weight_and_cache(golden_dir):
+    """At load, every tensor a decode round reads lives on the rank's device ('meta' stands in for a
+    NeuronCore: moving there keeps shapes, so a forgotten buffer shows up as a CPU tensor)."""
+    from v4flash_backend.model.loading import load_model
+    from v4flash_backend.trn2.neuron import place_resident
+
+    m = load_model(golden_dir)  # its own copy: the session model stays on the CPU
+    sr = StaticRunner(m, 2, 64, settings=NeuronSettings(backend="none"))
+    n = place_resident(sr, "meta")
+    left = [t for t in _resident(sr) if t.device.type != "meta"]
+    assert n > len(m.W) and not left
+    assert all(t.device.type == "meta" for st in m.W.meta["stacked"].values() for t in st)
+
+
+def test_nki_device_args_pass_resident_tensors_and_count_copies(monkeypatch):
+    from v4flash_backend.ops import nki_ops
+
+    resident, host = torch.empty(2, device="meta"), torch.zeros(2)
+    nki_ops.device_copies.clear()
+    out = nki_ops.device_args([resident, host], "k", device_type="meta")
+    assert out[0] is resident and out[1].device.type == "meta" and nki_ops.device_copies == {"k": 1}
+    monkeypatch.setenv("V4FLASH_NKI_STRICT", "1")
+    with pytest.raises(RuntimeError, match="place weights and caches"):
+        nki_ops.device_args([host], "k", device_type="meta")
+
+
+@pytest.mark.slow
+def test_generate_step_report_lines(golden_dir, tmp_path):
+    """`generate --step-report`: the last two stdout lines are exactly `ids: ...` and `step-report: ...`;
+    static at W = 1 (through the rank group) gives the eager ids at T = 0.8 with a seed and a shared
+    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 10 syncs)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sps = tmp_path / "sps.json"
+    SPS.save(sps)
+    common = ["--checkpoint", str(golden_dir), "--prompt", "Once upon a time", "--max-tokens", "10",
+              "--temperature", "0.8", "--seed", "7", "--sps-path", str(sps), "--step-report"]
+    lines = {}
+    for mode in ("eager", "static"):
+        out = _cli(common + ["--world-size", "1", "--decode-graph", mode], repo)
+        assert re.fullmatch(r"ids: \d+(,\d+)*", out[-2]), out[-2]
+        m = re.fullmatch(r"step-report: decode_graph=(\w+) world=1 steps=(\d+) graphs_per_step=([\d.]+) "
+                         r"host_syncs_per_step=([\d.]+) host_to_device_bytes_per_step=(\d+)", out[-1])
+        assert m and m.group(1) == mode, out[-1]
+        lines[mode] = (out[-2], m)
+    assert lines["eager"][0] == lines["static"][0] and len(lines["eager"][0].split(",")) == 10
+    e, s = lines["eager"][1], lines["static"][1]
+    assert e.group(2) == s.group(2) and int(s.group(2)) > 0
+    assert float(s.group(3)) == 2 and float(s.group(4)) == 0
+    assert float(e.group(3)) == 0 and float(e.group(4)) > 10
+
+
+def _cli(args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(cwd / "src"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "v4flash_backend", "generate", *args], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.rstrip("\n").split("\n")
+
+
+def test_round_and_block_plans_round_trip():
+    from v4flash_backend.group.worker import pack_block, pack_round, unpack_block, unpack_round
+
+    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
+                rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
+                sps=sps_tensors(SPS))
+    back = unpack_round(*pack_round(plan))
+    for k in plan:
+        if k != "sps":
+            assert back[k] == plan[k], k
+    assert torch.equal(back["sps"], pad_sps(plan["sps"]))
+    z = torch.randn(5, 7)
+    block = (torch.tensor([1, 2, 3, 4, 5]), None, torch.rand(5), z)
+    slot, (t, _, q, z2) = unpack_block(*pack_block(3, block))
+    assert slot == 3 and torch.equal(t, block[0]) and torch.equal(q, block[2]) and torch.equal(z2, z)
+
+
+@pytest.mark.parametrize("mode", ["dspark", "off"])
+def test_staggered_batch_switches_between_rounds_and_eager_steps(tiny_model, mode):
+    """Requests arriving while others decode: steps alternate between static rounds and eager
+    mixed steps (draft blocks read back, then uploaded again); every request still gets the tokens
+    of the eager runner (seeded sampling and greedy, different lengths)."""
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=64, spec_mode=mode, prefill_chunk=4))
+        eng.cost = StepCost(SPS)
+        outs = {}
+        reqs = [GenerateRequest(prompt=PROMPT[:n], max_tokens=k, temperature=t, seed=s, ignore_eos=True,
+                                callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids))
+                for i, (n, k, t, s) in enumerate([(9, 14, 0.8, 3), (5, 6, 0.0, None), (7, 9, 0.8, 11)])]
+        eng.submit(reqs[0])
+        for _ in range(4):
+            eng.step()
+        eng.submit(reqs[1])
+        eng.step()
+        eng.submit(reqs[2])
+        while eng.has_work():
+            eng.step()
+        return outs, eng.stats()
+
+    want, est = run(LocalRunner(tiny_model, 4, 64))
+    got, st = run(StaticRunner(tiny_model, 3, 64, settings=NeuronSettings(backend="none")))
+    assert got == want
+    assert 0 < st["static_steps"] < st["steps"]  # both kinds of step happened
+    assert st["host_syncs_per_step"] < 1  # only the read-backs of blocks at eager decode steps
+
+
+def test_prefill_chunks_run_the_prefill_graphs(tiny_model):
+    """Segmented prefill through the prefill graphs (chunks of 16 rows in row buckets 16 / 32; a
+    chunk longer than the rings is covered in test_static_step) gives the eager tokens; a 40-token
+    prompt in chunks of 16 is 3 prefill graph executions."""
+    prompt = [0] + torch.randint(3, 1000, (39,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=96, prefill_chunk=16, spec_mode="fixed"))
+        ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))
+        return [t for e in ev for t in e.token_ids], eng.stats()
+
+    want, _ = run(LocalRunner(tiny_model, 3, 96))
+    got, st = run(StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32))
+    assert got == want and st["prefill_graphs"] == 3
+    assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
