@@ -39,6 +39,7 @@ from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
 
 MODES = ("off", "dspark", "fixed")
+CKPT = [None]  # the checkpoint directory (its dspark_calibration.json is loaded by the engine)
 NAMES = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5"}
 
 
@@ -85,7 +86,8 @@ def load_prompts(ckpt: Path, model, n: int, prompts_file: Path | None) -> tuple[
             f"{n} random prompts")
 
 
-def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int) -> dict:
+def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
+        adaptive: bool = True) -> dict:
     """All prompts in groups of `batch` concurrent requests; totals over the groups."""
     tokens = seconds = 0.0
     acc_v = acc_s = 0
@@ -93,7 +95,7 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
         group = prompts[g0:g0 + batch]
         runner = LocalRunner(model, len(group) + 1, max(len(p) for p in group) + max_tokens + 16)
         eng = Engine(runner, Settings(max_num_seqs=len(group), max_model_len=runner.state.max_len - 8,
-                                      spec_mode=mode))
+                                      spec_mode=mode, dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0])))
         eng.cost = cost
         done = []
         reqs = [GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=seed + g0 + i,
@@ -126,20 +128,24 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                    help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, no stepping aside)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     torch.set_num_threads(args.threads)
     ops.set_numerics("exact")
     ckpt = args.checkpoint or default_checkpoint()
+    CKPT[0] = ckpt
     model = load_model(ckpt)
     prompts, source = load_prompts(ckpt, model, args.num_prompts, args.prompts)
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     print(f"checkpoint {ckpt} (dim {model.cfg.dim}, {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}); "
-          f"{source}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}")
+          f"{source}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}; "
+          f"dspark_adaptive={args.adaptive}")
     prof = Engine(LocalRunner(model, max(batches) + 1, 512),
-                  Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark"))
+                  Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark", dspark_adaptive=True))
     cost = prof.ensure_cost()
     print(f"step cost: {cost}")
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
@@ -150,7 +156,7 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 order = MODES[rnd % 3:] + MODES[:rnd % 3]
                 for m in order:
-                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd))
+                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd, args.adaptive))
             med = {m: statistics.median(r["tok_s"] for r in res[m]) for m in MODES}
             tau = statistics.median(r["tau"] for r in res["dspark"])
             for m in MODES:

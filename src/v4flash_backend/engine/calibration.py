@@ -218,7 +218,7 @@ class OnlineCalibrator:
     a refit every `refit_every` observed blocks (O(window x grid) work, a few ms on the tiny model).
     Observations are kept also when refitting is off (`enabled` False): the offline fit reads them."""
 
-    def __init__(self, calibration: Calibration, window: int = 2048, refit_every: int = 256,
+    def __init__(self, calibration: Calibration, window: int = 2048, refit_every: int = 64,
                  enabled: bool = True):
         self.cal = calibration
         self.enabled = enabled

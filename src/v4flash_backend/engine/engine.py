@@ -94,6 +94,7 @@ class _Seq:
     rounds: int = 0  # sampling rounds so far (first token, then one per verify): keys its noise
     draft: tuple | str | None = None  # (tokens [G], prev [G], q [G], z [G, V]) or ON_DEVICE
     conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for a host-drafted block
+    last_surv: list[float] | None = None  # calibrated prefix survivals of its last drafted block
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
@@ -298,7 +299,10 @@ class Engine:
         acceptances observed in earlier steps, never this step's draws."""
         if self.cfg.spec_mode != "dspark" or not self.adaptive:
             return "draft"
-        surv = [expected_survivals(self.calib.acceptance_rates(regime(s.req.temperature))) for s in seqs]
+        # a request's expected survivals: its last block's calibrated confidences (a block admit left
+        # unverified says as much as a verified one), else the acceptance observed in its regime
+        surv = [s.last_surv or expected_survivals(self.calib.acceptance_rates(regime(s.req.temperature)))
+                for s in seqs]
         if drafting_pays(self.ensure_cost(), surv)[0]:
             self._skipped = 0
             return "draft"
@@ -570,6 +574,8 @@ class Engine:
             if self.adaptive:
                 c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
                 ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
+                for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
+                    s.last_surv = a
             else:  # the head as it is and the forward's steps/s: what the static rounds compute
                 ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward)
         ell = torch.minimum(ell, room)
