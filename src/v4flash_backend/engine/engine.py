@@ -206,10 +206,19 @@ class Engine:
         return bool(self.waiting or self.running or self.cancelled)
 
     def stats(self) -> dict:
-        with self.step_lock, self.lock:
-            d = dict(self.totals)
-            d.update(waiting=len(self.waiting), running=len(self.running),
-                     slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
+        # Wait for the step in progress (a client reading the stats after its final event, sent
+        # mid-step, then sees that step counted), but not for ever: the lock is not fair, and a busy
+        # engine thread takes it again at once after each step, which starved the gauges (the KV-slot
+        # gauge read 0 while a request ran). After the bound the numbers are those of the last step.
+        got = self.step_lock.acquire(timeout=0.25)
+        try:
+            with self.lock:
+                d = dict(self.totals)
+                d.update(waiting=len(self.waiting), running=len(self.running),
+                         slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
+        finally:
+            if got:
+                self.step_lock.release()
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
         dt = dict(self.decode_totals)
         n = dt["decode_steps"]
