@@ -1,1 +1,3 @@
-"""Checks of the forward against the official reference's fixtures (`golden`: golden-check)."""
+"""Checks of the forward and of release-scale readiness: `golden` (golden-check against the official
+reference's fixtures), `device_tolerance` (what golden-check tolerance a device can be held to),
+`release` + `footprint` (release-check: a rank's shard at W = 64, meta-traced graphs, kernel SBUF/PSUM)."""
