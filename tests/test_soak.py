@@ -8,7 +8,6 @@ import http.server
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from _triton import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^soak: seconds=(\d+) requests=(\d+) errors_unexpected=(\d+) lost=(\d+) leaked_slots=(-?\d+) "
@@ -29,19 +30,6 @@ def _load_soak():
     sys.modules["soak"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
-
-
-def _free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def test_the_soak_judges_answers_strictly():
@@ -146,7 +134,7 @@ def test_the_soak_reads_http_answers_as_triton_sends_them():
 
 @pytest.mark.slow
 def test_a_short_soak_with_a_killed_worker_and_bursts(tmp_path):
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "perf" / "soak.py"), "--seconds", "60", "--http-port", str(http),
                            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--kill-worker", "--start-server",

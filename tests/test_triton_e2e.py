@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -27,6 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
 
+from _triton import free_ports, stop, wait_ready
 from v4flash_backend.client import GenerateError, generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,19 +37,6 @@ SLOTS = 4
 PROMPT_IDS = [0, 17, 250, 33, 901, 12]
 PROMPT_TEXT = "Once upon a time"
 N = 8  # max_tokens of most requests
-
-
-def _free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _set_param(config: str, key: str, value: str) -> str:
@@ -85,7 +72,7 @@ def server(tmp_path_factory):
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     root = tmp_path_factory.mktemp("triton_e2e")
     repo = _build_repository(root)
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
                METRICS_PORT=str(metrics_port))
     env.pop("V4FLASH_CHECKPOINT_DIR", None)
@@ -97,28 +84,11 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        url = f"http://127.0.0.1:{http_port}/v2/health/ready"
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tritonserver exited ({proc.returncode}):\n{log_path.read_text()[-6000:]}")
-            try:
-                if urllib.request.urlopen(url, timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tritonserver not ready in {READY_TIMEOUT_S}s:\n{log_path.read_text()[-6000:]}")
-            time.sleep(0.25)
+        wait_ready(proc, http_port, log_path, READY_TIMEOUT_S, tail=6000)
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, 60)
     log_text = log_path.read_text()
     assert "successfully unloaded 'v4flash'" in log_text, log_text[-3000:]
 

@@ -18,12 +18,9 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +30,7 @@ import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 from tritonclient.utils import InferenceServerException
 
+from _triton import free_ports, stop, wait_ready
 from v4flash_backend.serving.prepost import CHECKPOINT_ENV, find_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,19 +136,6 @@ def test_find_tokenizer_order(tmp_path, monkeypatch):
         find_tokenizer({"tokenizer_dir": "../missing"}, model_dir)
 
 
-def _free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _set_param(config: str, key: str, value: str) -> str:
     pattern = r'(key: "%s", value: \{ string_value: )"[^"]*"' % re.escape(key)
     out, n = re.subn(pattern, r'\1"%s"' % value, config)
@@ -184,7 +169,7 @@ def server(tmp_path_factory):
         pytest.fail("tritonserver is not set up: run scripts/setup_triton.sh")
     root = tmp_path_factory.mktemp("triton")
     repo = _build_repository(root)
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port),
                GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port))
     env.pop("V4FLASH_CHECKPOINT_DIR", None)  # the configs alone must find the tokenizer
@@ -195,27 +180,10 @@ def server(tmp_path_factory):
         proc = subprocess.Popen([str(REPO / "scripts/run_tritonserver.sh")], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        url = f"http://127.0.0.1:{http_port}/v2/health/ready"
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tritonserver exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                if urllib.request.urlopen(url, timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tritonserver not ready in {READY_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.25)
+        wait_ready(proc, http_port, log_path, READY_TIMEOUT_S, tail=4000)
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, 40)
 
 
 @pytest.fixture(scope="module")

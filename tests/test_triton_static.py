@@ -11,16 +11,14 @@ host syncs per decode step.
 """
 
 import os
-import signal
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 import test_triton_e2e as e2e  # noqa: E402 - the helpers of the eager e2e module (same directory)
+from _triton import free_ports, stop, wait_ready
 
 REPO = e2e.REPO
 GOLDEN = e2e.GOLDEN
@@ -46,7 +44,7 @@ def server(tmp_path_factory):
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     root = tmp_path_factory.mktemp("triton_static")
     repo = _build(root)
-    http_port, grpc_port, metrics_port = e2e._free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
                METRICS_PORT=str(metrics_port))
     env.pop("V4FLASH_CHECKPOINT_DIR", None)
@@ -55,28 +53,11 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 2 * e2e.READY_TIMEOUT_S
-        url = f"http://127.0.0.1:{http_port}/v2/health/ready"
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tritonserver exited ({proc.returncode}):\n{log_path.read_text()[-6000:]}")
-            try:
-                if urllib.request.urlopen(url, timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tritonserver not ready:\n{log_path.read_text()[-6000:]}")
-            time.sleep(0.25)
+        wait_ready(proc, http_port, log_path, 2 * e2e.READY_TIMEOUT_S, tail=6000)
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, 60)
 
 
 @pytest.fixture(scope="module")

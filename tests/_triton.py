@@ -1,0 +1,56 @@
+"""Starting and stopping a tritonserver for the end-to-end tests (one copy of the loopback-port,
+readiness and teardown logic that test_triton_e2e, test_triton_prepost, test_triton_static and
+test_soak share)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all bound at once, so they cannot coincide)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_ready(proc: subprocess.Popen, http_port: int, log_path, timeout_s: float, tail: int = 6000) -> None:
+    """Poll /v2/health/ready until 200; fail the test with the log's tail if the server exits or
+    is not ready within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"tritonserver exited ({proc.returncode}):\n{log_path.read_text()[-tail:]}")
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"tritonserver not ready in {timeout_s:.0f}s:\n{log_path.read_text()[-tail:]}")
+        time.sleep(0.25)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM the server (its own session), SIGKILL the session if it does not exit in time."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
