@@ -12,7 +12,8 @@ Plan layout: int64[size]; header [MAGIC, op, sequence number, body length, a0, a
 the body. FORWARD: a = (T tokens, S segments, L logits rows or -1 'last' / -2 'all' / -3 'none',
 want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes, items); body =
 per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. ROUND (a static
-decode round, decode_graph static): a = (S, stop width, spec mode, fixed_len); body = `pack_round`'s
+decode round, decode_graph static): a = (S, stop width, spec mode (+ 4: the logit-processing variant,
+with the n_out / min_tokens and frequency / presence columns), fixed_len); body = `pack_round`'s
 int64 columns, float64 columns as bits, stop ids, the SPS table. LOAD_BLOCK: a host-drafted draft
 block into every rank's per-slot block state (`pack_block`). COUNTS: a = (slot, n), body = the slot's
 n generated ids (the processed rounds' penalty counts, after eager steps). RESET: a0 = slot.
