@@ -481,3 +481,45 @@ def test_in_process_generate_runs_the_engine_like_the_rank_group(tmp_path):
     assert local[-1].startswith("step-report: decode_graph=eager world=1 ")
     assert group[-1].startswith("step-report: decode_graph=eager world=2 ")
     assert local[0] == group[0] and local[0].startswith("output_ids: ")
+
+
+def test_processed_round_plans_round_trip():
+    from v4flash_backend.group.worker import pack_round, unpack_round
+
+    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
+                budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
+                n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
+    back = unpack_round(*pack_round(plan))
+    for k in plan:
+        if k != "sps":
+            assert back[k] == plan[k], k
+
+
+@pytest.mark.slow
+def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir, tmp_path):
+    """Through the rank group (W = 2, static path): penalties, min_tokens and log-probs in the
+    rounds' processed variant (the penalty counts loaded on every rank with OP_COUNTS after the
+    eager prefill step) give the in-process eager engine's tokens and log-probs exactly, with no
+    decode step left to the eager path."""
+    from v4flash_backend.group.rank_group import RankGroup
+
+    sps_path = tmp_path / "sps.json"
+    SPS.save(sps_path)
+    params = dict(max_tokens=16, temperature=0.8, seed=3, frequency_penalty=2.0, presence_penalty=1.5,
+                  min_tokens=7, logprobs=2, stop_token_ids=[16, 265])
+    g = RankGroup.launch(Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
+                                  decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0))
+    try:
+        evs = list(g.submit(PROMPT, params))
+        st = g.stats()
+    finally:
+        g.shutdown(timeout=60)
+    eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+    eng.cost = StepCost(SPS)
+    want = eng.run_request(GenerateRequest(prompt=list(PROMPT), **(params | {"stop_token_ids": (16, 265)})))
+    assert [i for e in evs for i in e["token_ids"]] == [i for e in want for i in e.token_ids]
+    assert [lp for e in evs for lp in e.get("logprobs") or []] == [lp for e in want for lp in e.logprobs or []]
+    e = st["engine"]
+    assert e["static_steps"] == e["decode_steps"] > 0 and e["static_fallback_steps"] == 0
+    assert st["plans"]["set_counts"] >= 1
