@@ -124,63 +124,106 @@ def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):
 @pytest.mark.slow
 def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
     """torch.compile(fullgraph=True) with the 'eager' dynamo backend (captures the whole graph,
-    then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point,
-    none re-traced while serving, no host sync in a graph (compile_step refuses one)."""
+    then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point and
+    variant (plain, and processed: min_tokens / penalties / log-probs), none re-traced while
+    serving, no host sync in a graph (compile_step refuses one); the eager engine's tokens and
+    log-probs (exact)."""
     ops.set_numerics("exact")
     sr = StaticRunner(tiny_model, 1, 40, settings=NeuronSettings(backend="eager"))
     sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
-    assert sr.graphs.stats.graphs == 2
-    eng = Engine(sr, Settings(max_num_seqs=1, max_model_len=40))
-    eng.cost = StepCost(SPS)
-    ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
-    got = [t for e in ev for t in e.token_ids]
-    assert sr.graphs.stats.graphs == 2, "a graph was re-traced while serving"
-    eng2 = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
-    eng2.cost = StepCost(SPS)
-    ev2 = eng2.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, temperature=0.8, seed=7,
-                                           ignore_eos=True))
-    assert got == [t for e in ev2 for t in e.token_ids]
-    assert eng.stats()["graphs_per_step"] == 2 and eng.stats()["host_syncs_per_step"] == 0
+    assert sr.graphs.stats.graphs == 4
+    sr.warm_up_prefill(None)  # + the bare verify graph: the 5-token prompts are short segments
+    assert sr.graphs.stats.graphs == 5
+    reqs = [dict(temperature=0.8, seed=7),
+            dict(temperature=0.8, seed=5, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, logprobs=2)]
+
+    def serve(runner):
+        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40))
+        eng.cost = StepCost(SPS)
+        out = []
+        for kw in reqs:
+            ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, ignore_eos=True, **kw))
+            out.append([(e.token_ids, e.logprobs) for e in ev])
+        return out, eng.stats()
+
+    got, st = serve(sr)
+    assert sr.graphs.stats.graphs == 5, "a graph was re-traced while serving"
+    want, _ = serve(LocalRunner(tiny_model, 2, 40))
+    assert got == want and got[1][-1][1] is not None
+    assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
+
+
+def _group_compiled_vs_w1_eager(ckpt, world, model):
+    """Serve a greedy and a seeded T = 0.8 request through a rank group of `world` ranks on the
+    compiled static path; the same requests through the in-process W = 1 eager engine."""
+    import tempfile
+
+    from v4flash_backend.group.rank_group import RankGroup
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sps_path = f"{tmp}/sps.json"
+        SPS.save(sps_path)
+        settings = Settings(checkpoint_dir=str(ckpt), world_size=world, max_num_seqs=1, max_model_len=40,
+                            prefill_chunk=16,  # one prefill bucket (16 rows): one more compiled graph
+                            decode_graph="static", graph_backend="eager", sps_path=sps_path,
+                            warm_processed=False,  # the logit-processing variant: not compiled (not used)
+                            startup_timeout_s=900.0, collective_timeout_s=300.0)
+        reqs = [(PROMPT, 8, 0.0, None), (PROMPT, 8, 0.8, 7)]
+        g = RankGroup.launch(settings)
+        try:
+            got = []
+            for p, k, t, s in reqs:
+                params = {"max_tokens": k, "temperature": t, "ignore_eos": True}
+                params |= {"seed": s} if s is not None else {}
+                got.append([i for ev in g.submit(p, params) for i in ev["token_ids"]])
+            st = g.stats()
+        finally:
+            g.shutdown(timeout=60)
+    want = []
+    for p, k, t, s in reqs:
+        eng = Engine(LocalRunner(model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+        eng.cost = StepCost(SPS)
+        ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
+        want.append([i for e in ev for i in e.token_ids])
+    return got, want, st
+
+
+def _check_compiled_group(got, want, st, world):
+    assert got == want and len(got[0]) == 8
+    e = st["engine"]
+    assert st["world_size"] == world
+    assert e["decode_graph"] == "static" and e["static_steps"] == e["decode_steps"] > 0
+    # one verify + one draft round graph and the bare verify graph (the forward of short segments);
+    # a re-trace while serving would add one
+    assert e["graphs_compiled"] == 3, "a graph was re-traced while serving (or more than one per entry point)"
+    assert e["prefill_graphs"] == 2  # one 9-token prompt chunk per request, through the compiled prefill graph
+    assert e["prefill_step_eager_forwards"] == 0
+    assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
+    traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
+    assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
 
 
 @pytest.mark.slow
-def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir, tmp_path):
+def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir):
     """torchrun + gloo, W = 2, the round graphs compiled (fullgraph, 'eager' dynamo backend) with the
     functional collectives inside them: the same tokens as the in-process W = 1 eager engine, greedy
     and at T = 0.8 with a seed (same pinned SPS table), no graph re-traced while serving, 2 graph
     executions and 0 host syncs per decode step, the traced collectives counted outside the graphs."""
-    from v4flash_backend.group.rank_group import RankGroup
+    _check_compiled_group(*_group_compiled_vs_w1_eager(golden_dir, 2, tiny_model), 2)
 
-    sps_path = tmp_path / "sps.json"
-    SPS.save(sps_path)
-    settings = Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
-                        prefill_chunk=16,  # one prefill bucket (16 rows): one more compiled graph
-                        decode_graph="static", graph_backend="eager", sps_path=str(sps_path),
-                        startup_timeout_s=600.0, collective_timeout_s=120.0)
-    reqs = [(PROMPT[:6], 8, 0.0, None), (PROMPT[:6], 8, 0.8, 7)]
-    g = RankGroup.launch(settings)
-    try:
-        got = []
-        for p, k, t, s in reqs:
-            params = {"max_tokens": k, "temperature": t, "ignore_eos": True} | ({"seed": s} if s is not None else {})
-            got.append([i for ev in g.submit(p, params) for i in ev["token_ids"]])
-        st = g.stats()
-    finally:
-        g.shutdown(timeout=60)
-    want = []
-    for p, k, t, s in reqs:
-        eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
-        eng.cost = StepCost(SPS)
-        ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
-        want.append([i for e in ev for i in e.token_ids])
-    assert got == want
-    e = st["engine"]
-    assert e["decode_graph"] == "static" and e["static_steps"] == e["decode_steps"] > 0
-    assert e["graphs_compiled"] == 2, "a graph was re-traced while serving (or more than one per entry point)"
-    assert e["prefill_graphs"] == 2  # one prompt chunk per request, through the compiled prefill graph
-    assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
-    traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
-    assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
+
+@pytest.mark.slow
+def test_rank_group_w4_compiled_static_equals_w1_eager():
+    """As at W = 2, at W = 4 on models/v4flash-tiny (2 o-groups: attention groups of 2 ranks,
+    replicated twice, `layout.attention_group_max`), four ranks compiling on the CI's 2 cores: one
+    decode bucket (1 sequence x 40 positions) and one prefill bucket, ~4 graphs per rank."""
+    from pathlib import Path
+
+    from v4flash_backend.model.loading import load_model
+
+    ckpt = Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny"
+    ops.set_numerics("exact")
+    _check_compiled_group(*_group_compiled_vs_w1_eager(ckpt, 4, load_model(ckpt)), 4)
 
 
 def test_place_resident_moves_every_weight_and_cache(golden_dir):
@@ -311,3 +354,172 @@ def test_prefill_chunks_run_the_prefill_graphs(tiny_model):
     got, st = run(StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32))
     assert got == want and st["prefill_graphs"] == 3
     assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dspark", "off"])
+def test_mixed_and_multi_prompt_prefill_steps_run_graphs(tiny_model, mode):
+    """Item 2 of issue 13: steps whose prefill rows come from several sequences (prompts of 5, 23
+    and 40 tokens arriving together), and a 37-token prompt arriving while two others decode, run
+    as fixed-shape graphs -- the step's short segments (decode rows, chunks of <= 1 + G rows) in one
+    verify graph, each longer chunk in its prefill graph -- and every request gets the eager
+    runner's tokens (exact numerics: bit-equal forwards, same counter-based noise; no tolerance)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [[0] + torch.randint(3, 1000, (n - 1,), generator=g).tolist() for n in (5, 23, 40, 37)]
+
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=96, spec_mode=mode, prefill_chunk=16))
+        eng.cost = StepCost(SPS)
+        outs = {}
+
+        def req(i, k, t, s):
+            return GenerateRequest(prompt=prompts[i], max_tokens=k, temperature=t, seed=s, ignore_eos=True,
+                                   callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids))
+        for i, (k, t, s) in enumerate([(6, 0.8, 3), (9, 0.0, None), (7, 0.8, 11)]):
+            eng.submit(req(i, k, t, s))  # three prompts arrive together
+        while eng.has_work():
+            eng.step()
+        eng.submit(req(0, 12, 0.8, 4))
+        eng.submit(req(1, 12, 0.0, None))
+        for _ in range(3):
+            eng.step()
+        eng.submit(req(3, 8, 0.8, 9))  # a long prompt while two decode
+        while eng.has_work():
+            eng.step()
+        return outs, eng.stats()
+
+    want, _ = run(LocalRunner(tiny_model, 4, 96))
+    sr = StaticRunner(tiny_model, 3, 96, settings=NeuronSettings(backend="none"), prefill_rows=16)
+    got, st = run(sr)
+    assert got == want and all(len(v) > 0 for v in got.values())
+    assert st["prefill_steps"] >= 4 and st["prefill_step_eager_forwards"] == 0, st
+    assert sr.counters["eager_forwards"] == 0
+    assert st["prefill_graphs"] >= 6  # 23 + 40 + 37 tokens in chunks of <= 16 rows
+    assert st["graphs_per_prefill_step"] > 1  # several sequences' rows in one step: several graphs
+
+
+@pytest.mark.parametrize("mode", ["fixed", "dspark"])
+def test_logit_processing_runs_in_the_static_rounds(tiny_model, mode):
+    """Item 3 of issue 13: min_tokens, frequency / presence penalties and log-probs no longer send a
+    step to the eager path: the rounds' processed variant applies them in the graphs (penalty counts
+    device-resident per slot) and returns the log-probs in the one read-back. Tokens and log-probs
+    equal the eager engine's exactly (the same float64 ops on the same values: no tolerance), greedy
+    and seeded T = 0.8, with a request without processing in the same batch."""
+    def run(runner):
+        eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=64, spec_mode=mode))
+        eng.cost = StepCost(SPS)
+        outs = {}
+        specs = [dict(temperature=0.8, seed=3, frequency_penalty=0.7, presence_penalty=0.4, logprobs=3),
+                 dict(temperature=0.0, min_tokens=9, logprobs=0), dict(temperature=0.8, seed=11)]
+        for i, kw in enumerate(specs):
+            eng.submit(GenerateRequest(prompt=PROMPT[:5 + i], max_tokens=12, stop_token_ids=(16, 265, 289), **kw,
+                                       callback=lambda e, i=i: outs.setdefault(i, []).append(
+                                           (e.token_ids, e.logprobs, e.finish_reason))))
+        while eng.has_work():
+            eng.step()
+        return outs, eng.stats()
+
+    want, est = run(LocalRunner(tiny_model, 4, 64))
+    got, st = run(StaticRunner(tiny_model, 3, 64, settings=NeuronSettings(backend="none")))
+    assert got == want
+    toks = {i: [t for ids, _, _ in v for t in ids] for i, v in got.items()}
+    assert len(toks[1]) >= 9 and all(len(lp[2]) == 3 for ids, lps, _ in got[0] if lps for lp in lps)
+    assert (st["admitted"], st["accepted"]) == (est["admitted"], est["accepted"])  # the same drafts
+    assert st["static_steps"] == st["decode_steps"] > 0 and st["static_fallback_steps"] == 0
+    assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
+
+
+def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monkeypatch, tmp_path):
+    """Item 4 of issue 13: with a static runner, the step cost (the SPS table the rounds' admission
+    reads) is timed on the decode rounds the server runs (both graphs of the bucket, through
+    `decode_round`), not on the eager forward. The rounds are replaced by stand-ins that take a
+    known time per bucket (1 seq: 20 ms, 2: 120 ms, 4: 60 ms): the table must show each bucket's
+    time for the B = S x (1 + G) tokens it holds (tolerance: 15 ms of timer and scheduling noise
+    below, 60 ms above, on a loaded 2-core machine)."""
+    import time
+
+    sr = StaticRunner(tiny_model, 4, 64, settings=NeuronSettings(backend="none"))
+    monkeypatch.setattr(sr, "forward", lambda *a, **k: pytest.fail("the SPS profile ran the eager forward"))
+    delay = {1: 0.02, 2: 0.12, 4: 0.06}
+    seen = []
+
+    def fake_round(b, mode, fixed_len, x):
+        seen.append(b.seqs)
+        time.sleep(delay[b.seqs])
+        return torch.zeros(b.seqs, sr.G + 5, dtype=torch.long)
+
+    monkeypatch.setattr(sr.graphs, "round", fake_round)
+    eng = Engine(sr, Settings(max_num_seqs=4, max_model_len=64, sps_path=str(tmp_path / "sps.json")))
+    cost = eng.ensure_cost()
+    Q = 1 + eng.gamma
+    sizes = list(cost.forward.sizes)
+    assert sizes[-1] == 4 * Q and set(seen) == {1, 2, 4}
+    for i, b in enumerate(sizes):
+        S = min(s for s in delay if s * Q >= b)
+        t = 1.0 / cost.forward.raw_sps[i]
+        assert delay[S] - 0.015 < t < delay[S] + 0.06, (b, S, t)
+    assert cost.draft_seconds == {}  # drafting is inside the round
+    assert StepCost.load(tmp_path / "sps.json").forward.sizes == cost.forward.sizes
+
+
+@pytest.mark.slow
+def test_in_process_generate_runs_the_engine_like_the_rank_group(tmp_path):
+    """Item 5 of issue 13: `generate` without --world-size runs the serving Engine in this process
+    (not the old torch.Generator loop), so the same request and seed give the ids of a W = 2 rank
+    group: T = 0.8, --seed 7, models/v4flash-tiny, a shared SPS table (admission reads it)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sps = tmp_path / "sps.json"
+    SPS.save(sps)
+    common = ["--checkpoint", str(repo / "models" / "v4flash-tiny"), "--prompt", "Once upon a time",
+              "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--sps-path", str(sps), "--step-report"]
+    local = _cli(common, repo)
+    group = _cli(common + ["--world-size", "2"], repo)
+    assert re.fullmatch(r"ids: \d+(,\d+){11}", local[-2]) and local[-2] == group[-2], (local[-2], group[-2])
+    assert local[-1].startswith("step-report: decode_graph=eager world=1 ")
+    assert group[-1].startswith("step-report: decode_graph=eager world=2 ")
+    assert local[0] == group[0] and local[0].startswith("output_ids: ")
+
+
+def test_processed_round_plans_round_trip():
+    from v4flash_backend.group.worker import pack_round, unpack_round
+
+    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
+                budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
+                n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
+    back = unpack_round(*pack_round(plan))
+    for k in plan:
+        if k != "sps":
+            assert back[k] == plan[k], k
+
+
+@pytest.mark.slow
+def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir, tmp_path):
+    """Through the rank group (W = 2, static path): penalties, min_tokens and log-probs in the
+    rounds' processed variant (the penalty counts loaded on every rank with OP_COUNTS after the
+    eager prefill step) give the in-process eager engine's tokens and log-probs exactly, with no
+    decode step left to the eager path."""
+    from v4flash_backend.group.rank_group import RankGroup
+
+    sps_path = tmp_path / "sps.json"
+    SPS.save(sps_path)
+    params = dict(max_tokens=16, temperature=0.8, seed=3, frequency_penalty=2.0, presence_penalty=1.5,
+                  min_tokens=7, logprobs=2, stop_token_ids=[16, 265])
+    g = RankGroup.launch(Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
+                                  decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0))
+    try:
+        evs = list(g.submit(PROMPT, params))
+        st = g.stats()
+    finally:
+        g.shutdown(timeout=60)
+    eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+    eng.cost = StepCost(SPS)
+    want = eng.run_request(GenerateRequest(prompt=list(PROMPT), **(params | {"stop_token_ids": (16, 265)})))
+    assert [i for e in evs for i in e["token_ids"]] == [i for e in want for i in e.token_ids]
+    assert [lp for e in evs for lp in e.get("logprobs") or []] == [lp for e in want for lp in e.logprobs or []]
+    e = st["engine"]
+    assert e["static_steps"] == e["decode_steps"] > 0 and e["static_fallback_steps"] == 0
+    assert st["plans"]["set_counts"] >= 1

@@ -36,38 +36,61 @@ def cmd_golden(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    if args.world_size is not None or args.address or args.decode_graph or args.step_report:
-        from v4flash_backend.group import rank_group
+    """`generate`: through a rank group with --world-size / --address, else in this process; both
+    run the serving `Engine` (same settings, same counter-based noise), so the same request and
+    seed give the same ids at every W and decode_graph."""
+    from v4flash_backend.group import rank_group
 
+    if args.world_size is not None or args.address:
         return rank_group.generate_via_group(args)
+    return generate_in_process(args)
+
+
+def generate_in_process(args) -> int:
+    """One request through an in-process Engine on the runner a W = 1 rank would build
+    (`group.worker.build_runner`: LocalRunner, or the static round graphs with --decode-graph static)."""
+    import time
+
     from v4flash_backend import ops
-    from v4flash_backend.engine.single import generate_single
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.group import rank_group
+    from v4flash_backend.group.worker import build_runner
     from v4flash_backend.model.loading import load_model
+    from v4flash_backend.request import GenerateRequest, RequestError
 
-    ops.set_backend(args.ops)
-    model = load_model(args.checkpoint)
-    prompt = args.prompt_ids
-    tok = None
-    if args.prompt is not None:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(f"{args.checkpoint}/tokenizer.json")
-        prompt = [model.cfg.bos_token_id] + tok.encode(args.prompt, add_special_tokens=False).ids
+    prompt, tok = rank_group.generate_prompt(args)
     if not prompt:
         print("error: give --prompt-ids or --prompt", file=sys.stderr)
         return 2
+    settings = rank_group.generate_settings(args, prompt)
+    t0 = time.perf_counter()
+    ops.set_backend(settings.ops_backend)
+    if settings.numerics:
+        ops.set_numerics(settings.numerics)
+    engine = Engine(build_runner(load_model(settings.checkpoint_dir), settings), settings)
+    t1 = time.perf_counter()
+    events, first = [], []
+
+    def on_event(e):
+        if e.token_ids and not first:
+            first.append(time.perf_counter())
+        events.append(e)
+
     try:
-        g = generate_single(model, prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                     ignore_eos=args.ignore_eos)
-    except ValueError as e:
+        req = GenerateRequest(prompt=prompt, callback=on_event, **rank_group.generate_params(args))
+        engine.run_request(req)
+    except RequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("output_ids:", " ".join(map(str, g.tokens)))
-    if tok is not None:
-        print("text:", tok.decode(g.tokens))
-    n = len(g.tokens)
-    print(f"finish_reason={g.finish_reason} tokens={n} prefill_s={g.prefill_s:.3f} "
-          f"decode_tok_s={(n - 1) / g.decode_s if n > 1 and g.decode_s > 0 else 0:.1f}")
+    t2 = time.perf_counter()
+    last = events[-1]
+    if last.error is not None:
+        print(f"error: {last.error_code}: {last.error}", file=sys.stderr)
+        return 1
+    tokens = [t for e in events for t in e.token_ids]
+    report = engine.stats() if args.step_report else None
+    rank_group.print_generation(tokens, last.finish_reason, last.to_wire(), tok, 1,
+                                (t0, t1, first[0] if first else None, t2), report)
     return 0
 
 
@@ -82,7 +105,7 @@ def main(argv=None) -> int:
                         "exact: fp64 accumulation (the serving default), loose per-layer criteria")
     g.add_argument("-v", "--verbose", action="store_true", help="print every passing check too")
     g.set_defaults(fn=cmd_golden)
-    gen = sub.add_parser("generate", help="greedy or sampled generation in this process")
+    gen = sub.add_parser("generate", help="greedy or sampled generation (in this process, or a rank group)")
     gen.add_argument("--checkpoint", required=True)
     gen.add_argument("--prompt-ids", type=_ids, default=[])
     gen.add_argument("--prompt", help="text, tokenized with the checkpoint's tokenizer.json (BOS prepended)")

@@ -87,6 +87,9 @@ class Settings:
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
         "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS)
+    warm_processed: bool = setting(
+        True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs) at "
+        "start; false: at its first use", scope="group")
     # ---- engine: rank 0 ------------------------------------------------------------------------
     max_num_seqs: int = setting(8, "KV slots: requests decoded together", scope="engine", low=1)
     max_model_len: int = setting(1024, "prompt + generated tokens per request", scope="engine", low=2)

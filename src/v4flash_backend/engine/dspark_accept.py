@@ -261,9 +261,10 @@ def commit_stats(results: Sequence[VerifyResult]) -> dict:
 
 def markov_draft_static(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable[[torch.Tensor], torch.Tensor],
                         temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        u: torch.Tensor) -> DraftBlock:
+                        u: torch.Tensor, logit_fn=None) -> DraftBlock:
     """`markov_draft` with uniforms u [S, G] (column k: the draw of x_{k+1}). Every row takes the
-    sampling path (greedy rows are one-hot under process_logits, so they draw their argmax)."""
+    sampling path (greedy rows are one-hot under process_logits, so they draw their argmax).
+    logit_fn(k, z_k, drafted [S, k]): as in markov_draft (a static form: no host reads)."""
     from .sampling import categorical_from_uniform, process_logits_static
 
     S, G, V = U.shape
@@ -272,6 +273,8 @@ def markov_draft_static(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable
     toks, prevs, qs, zs = [], [], [], []
     for k in range(G):
         z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
+        if logit_fn is not None:
+            z = logit_fn(k, z, torch.stack(toks, 1) if toks else prev[:, None][:, :0])
         q = process_logits_static(z, temperature, top_k, top_p)
         x = categorical_from_uniform(q, u[:, k])
         toks.append(x)

@@ -30,7 +30,15 @@ from . import dspark_accept as acc
 from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed, sps_tensors
 from .noise import STREAM_DRAFT, STREAM_VERIFY, CounterSampler
-from .sampling import SamplingParams, apply_penalties, mask_stop_tokens, token_logprobs
+from .sampling import (
+    LOGPROB_COLS,
+    LOGPROB_WIDTH,
+    SamplingParams,
+    apply_penalties,
+    mask_stop_tokens,
+    token_logprobs,
+    unpack_logprobs,
+)
 from .step_cost import StepCost, affine_checked, drafting_pays, expected_survivals, interleaved_medians
 
 # the draft block of a sequence lives in the runner's per-slot state (a static decode round wrote it)
@@ -92,6 +100,7 @@ class _Seq:
     verify_steps: int = 0
     seed: int = 0  # the request's seed (drawn at admission when it gives none): keys its noise
     rounds: int = 0  # sampling rounds so far (first token, then one per verify): keys its noise
+    counted: int = 0  # generated tokens the static runner's device-resident counts hold (penalties)
     draft: tuple | str | None = None  # (tokens [G], prev [G], q [G], z [G, V]) or ON_DEVICE
     conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for a host-drafted block
     last_surv: list[float] | None = None  # calibrated prefix survivals of its last drafted block
@@ -139,8 +148,11 @@ class Engine:
         # decode-step accounting (engine stats, Prometheus, the CLI's step report): decode steps
         # (steps with no prefill rows), graph executions, host syncs (device-to-host reads other
         # than the final read-back of committed tokens) and host-to-device bytes in those steps
+        # static_fallback_steps: decode steps a static runner ran eagerly (more than STOP_WIDTH stop
+        # ids, no bucket); prefill_steps: steps with prefill rows, with their graph executions
         self.decode_totals = dict(decode_steps=0, static_steps=0, graph_executions=0, host_syncs=0,
-                                  host_to_device_bytes=0)
+                                  host_to_device_bytes=0, static_fallback_steps=0, prefill_steps=0,
+                                  prefill_step_graph_executions=0, prefill_step_eager_forwards=0)
         self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
 
     @property
@@ -228,6 +240,8 @@ class Engine:
                  boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
                  boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
+                 graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
+                                          if dt["prefill_steps"] else 0.0),
                  host_syncs_per_step=dt["host_syncs"] / n if n else 0.0,
                  host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
@@ -274,6 +288,8 @@ class Engine:
         scratch = self.runner.state.num_slots - 1
         top = self.cfg.max_num_seqs * (1 + self.gamma)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, top} & set(range(1, top + 1)) | {top})
+        if getattr(self.runner, "static_rounds", False):
+            return self._static_cost(sizes, scratch)
 
         def fwd(b: int):
             self.runner.reset_slot(scratch)
@@ -296,6 +312,31 @@ class Engine:
         draft_s = interleaved_medians(draft, rs, rounds=3) if d is not None else {}
         self.runner.reset_slot(scratch)
         self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, replaced)
+        if self.cfg.sps_path:
+            self.cost.save(self.cfg.sps_path)
+        return self.cost
+
+    def _static_cost(self, sizes: list[int], scratch: int) -> StepCost:
+        """The step cost of a static runner, timed on the graphs it serves: each sequence bucket's
+        decode round (verify + acceptance, then DSpark drafting + confidence + admission: both
+        graphs, through the runner's `decode_round`, so every rank of a group runs it) on a plan of
+        padding sequences (scratch slot, no valid row; same shapes and work as a real round),
+        interleaved rounds, medians. Drafting is inside the round, so the draft cost is 0."""
+        from .step_cost import round_seconds_by_tokens
+
+        Q = 1 + self.gamma
+        seqs = sorted({-(-b // Q) for b in sizes})  # a round of S pads itself to its bucket
+
+        def round_(S: int):
+            self.runner.decode_round(dict(
+                slot=[scratch] * S, start=[0] * S, pending=[0] * S, ell=[-1] * S, temperature=[1.0] * S,
+                top_k=[0] * S, top_p=[1.0] * S, seed=list(range(S)), rnd=[0] * S, budget=[0] * S,
+                len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=self.cfg.spec_mode, fixed_len=0,
+                sps=None))
+
+        fwd_s = round_seconds_by_tokens(sizes, Q, interleaved_medians(round_, seqs, rounds=3))
+        self.runner.reset_slot(scratch)
+        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), {}, [])
         if self.cfg.sps_path:
             self.cost.save(self.cfg.sps_path)
         return self.cost
@@ -389,10 +430,7 @@ class Engine:
             return False
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False
-        # min_tokens, penalties and log-probs are host-side logit processing for now: such a step
-        # runs eagerly (same noise, same tokens), the static rounds take the rest
-        if self._processed(self.running) or any(s.req.logprobs >= 0 for s in self.running):
-            return False
+        # min_tokens, penalties and log-probs run in the rounds' processed variant (static_round)
         return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running))
 
     def _step_running(self) -> None:
@@ -404,9 +442,23 @@ class Engine:
             if s.draft == ON_DEVICE:
                 s.draft = self.runner.read_block(s.slot) if s.ell else None
         decode_only = not any(s.prefilling for s in self.running)
+        if decode_only and getattr(self.runner, "static_rounds", False):
+            self.decode_totals["static_fallback_steps"] += 1  # a decode step the static rounds did not take
         self._step_eager()
         if decode_only:
             self._count_step(before)
+        else:
+            self._count_prefill_step(before)
+
+    def _count_prefill_step(self, before: dict | None) -> None:
+        """Steps with prefill rows: their graph executions (prefill graphs, the verify graph of the
+        step's decode rows; none on the eager runner) and forwards that ran op by op."""
+        t = self.decode_totals
+        t["prefill_steps"] += 1
+        c = getattr(self.runner, "counters", None)
+        if c is not None and before is not None:
+            t["prefill_step_graph_executions"] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
+            t["prefill_step_eager_forwards"] += c.get("eager_forwards", 0) - before.get("eager_forwards", 0)
 
     def _count_step(self, before: dict | None) -> None:
         t = self.decode_totals
@@ -430,6 +482,13 @@ class Engine:
                 s.draft = ON_DEVICE
         L = self.cfg.max_model_len
         stops = self._stop_lists(seqs)
+        processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs)
+        if processed:  # the penalties' generated-token counts on the device must be current
+            for s in seqs:
+                if (s.req.frequency_penalty or s.req.presence_penalty) and s.counted != s.n_out:
+                    self.runner.set_counts(s.slot, s.tokens[len(s.req.prompt):])
+                    s.counted = s.n_out
+        in_sync = [s.counted == s.n_out for s in seqs]
         plan = dict(
             slot=[s.slot for s in seqs], start=[s.n_cached for s in seqs],
             pending=[s.tokens[s.n_cached] for s in seqs], ell=[s.ell for s in seqs],
@@ -440,16 +499,26 @@ class Engine:
             stop_ids=[x + [-1] * (STOP_WIDTH - len(x)) for x in stops],
             spec_mode=self.cfg.spec_mode if self.spec else "off", fixed_len=self.cfg.fixed_len,
             sps=sps_tensors(self.ensure_cost().forward) if self.cfg.spec_mode == "dspark" and self.spec else None)
-        out = self.runner.decode_round(plan)  # [S] rows: tokens[G+1], num, accepted, stopped, next ell
+        if processed:
+            plan.update(n_out=[s.n_out for s in seqs], min_tokens=[s.req.min_tokens for s in seqs],
+                        frequency=[float(s.req.frequency_penalty) for s in seqs],
+                        presence=[float(s.req.presence_penalty) for s in seqs])
+        # [S] rows: tokens[G+1], num, accepted, stopped, next ell (+ the log-probs pack when processed)
+        out = self.runner.decode_round(plan)
         self.totals["steps"] += 1
-        G = len(out[0]) - 5  # the runner's block size (also with spec_mode off: then ell stays 0)
+        n = len(out[0])
+        # the runner's block size (also with spec_mode off: then ell stays 0)
+        G = (n - 5 - LOGPROB_COLS) // (1 + LOGPROB_COLS) if processed else n - 5
         for i, s in enumerate(seqs):
             row = out[i]
             k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
             self._account_verify(s, n_acc)
             s.rounds += 1
             s.n_cached += k
-            self._commit(s, row[:k], stopped)
+            lps = unpack_logprobs(row[G + 5:], k, s.req.logprobs) if processed and s.req.logprobs >= 0 else None
+            if processed and in_sync[i]:
+                s.counted += k  # the round added its committed tokens to the device counts
+            self._commit(s, row[:k], stopped, lps)
             if not self._done(s) and self.spec:
                 s.ell, s.draft = nxt, ON_DEVICE
                 s.drafted += self.gamma
@@ -676,10 +745,12 @@ class Engine:
             return None
         params = SamplingParams.make(len(tokens), s.req.temperature, s.req.top_k, s.req.top_p)
         lp, rank, top_ids, top_lp = token_logprobs(logits[:len(tokens)], params, torch.tensor(tokens),
-                                                   s.req.logprobs)
+                                                   LOGPROB_WIDTH)  # the graphs' width; the request's first n
+        n = s.req.logprobs
         out = []
         for j in range(len(tokens)):
-            alts = [[int(t), float(v)] for t, v in zip(top_ids[j].tolist(), top_lp[j].tolist()) if v > float("-inf")]
+            alts = [[int(t), float(v)] for t, v in zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())
+                    if v > float("-inf")]
             out.append([float(lp[j]), int(rank[j]), alts])
         return out
 

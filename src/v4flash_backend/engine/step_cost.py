@@ -67,6 +67,14 @@ def affine_checked(seconds: dict[int, float]) -> tuple[dict[int, float], list[in
     return out, fixed
 
 
+def round_seconds_by_tokens(sizes: Sequence[int], rows_per_seq: int,
+                            seconds_by_seqs: dict[int, float]) -> dict[int, float]:
+    """A static runner's step time by B verify tokens: the measured decode round of
+    S = ceil(B / rows_per_seq) sequences (which runs its bucket's fixed-shape graphs whatever B is
+    inside it: a staircase, so no affine check)."""
+    return {int(b): seconds_by_seqs[-(-int(b) // rows_per_seq)] for b in sizes}
+
+
 class StepCost:
     def __init__(self, forward: SPSTable, draft_seconds: dict[int, float] | None = None, replaced=()):
         self.forward = forward

@@ -421,12 +421,13 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
 def add_generate_arguments(parser) -> None:
     """The rank-group options of the `generate` subcommand."""
     parser.add_argument("--world-size", type=int, default=None,
-                        help="run through a rank group of W ranks (torchrun) instead of in this process")
+                        help="run through a rank group of W ranks (torchrun) instead of in this process "
+                             "(both run the serving Engine with its counter-based noise: same ids)")
     parser.add_argument("--address", default=None, help="use a running rank group at host:port")
     parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
     parser.add_argument("--decode-graph", choices=["eager", "static"], default=None,
                         help="decode steps as the static round graphs or op by op (default: static with "
-                             "--ops nki, else the CPU default); implies the rank group")
+                             "--ops nki, else the CPU default)")
     parser.add_argument("--graph-backend", default=None,
                         help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
     parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
@@ -438,8 +439,9 @@ def add_generate_arguments(parser) -> None:
                         help="end with the lines 'ids: ...' and 'step-report: ...' (decode-step counts)")
 
 
-def generate_via_group(args) -> int:
-    """The `generate` subcommand through a rank group; prints like the in-process command."""
+def generate_prompt(args):
+    """(prompt ids, tokenizer or None) of the `generate` subcommand: --prompt TEXT is tokenized with
+    the checkpoint's tokenizer (BOS prepended), else --prompt-ids."""
     prompt = list(args.prompt_ids or [])
     tok = None
     if getattr(args, "prompt", None) is not None:
@@ -450,27 +452,59 @@ def generate_via_group(args) -> int:
         tok = Tokenizer.from_file(f"{args.checkpoint}/tokenizer.json")
         prompt = [ModelConfig.from_json(args.checkpoint).bos_token_id] + tok.encode(
             args.prompt, add_special_tokens=False).ids
-    if not prompt:
-        print("error: give --prompt-ids or --prompt", file=sys.stderr)
-        return 2
+    return prompt, tok
+
+
+def generate_params(args) -> dict:
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
               "top_p": args.top_p, "ignore_eos": bool(args.ignore_eos)}
     if args.seed is not None:
         params["seed"] = args.seed
+    return params
+
+
+def generate_settings(args, prompt: list[int]):
+    """The Settings of a `generate` run, the same in process and in a rank group of any W (one
+    slot, the prompt's length plus max_tokens, the shared SPS table)."""
+    from v4flash_backend.settings import Settings
+
+    extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
+                               ("graph_backend", getattr(args, "graph_backend", None)),
+                               ("spec_mode", getattr(args, "spec_mode", None)),
+                               ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
+    return Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
+                    ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
+                    max_model_len=len(prompt) + args.max_tokens + 8, **extra)
+
+
+def print_generation(tokens, reason, last, tok, world, times, report) -> None:
+    """The `generate` output (in process and through a rank group alike); times = (t0 start,
+    t1 ready, first token or None, t2 end)."""
+    t0, t1, first, t2 = times
+    print("output_ids:", " ".join(map(str, tokens)))
+    if tok is not None:
+        print("text:", tok.decode(tokens))
+    n = len(tokens)
+    dec = t2 - (first or t2)
+    print(f"finish_reason={reason} tokens={n} world_size={world} start_s={t1 - t0:.1f} "
+          f"ttft_s={(first or t2) - t1:.3f} decode_tok_s={(n - 1) / dec if n > 1 and dec > 0 else 0:.1f} "
+          f"drafted={last['drafted']} accepted={last['accepted']}")
+    if report is not None:
+        print(step_report_lines(tokens, report, world), end="")
+
+
+def generate_via_group(args) -> int:
+    """The `generate` subcommand through a rank group; prints like the in-process command."""
+    prompt, tok = generate_prompt(args)
+    if not prompt:
+        print("error: give --prompt-ids or --prompt", file=sys.stderr)
+        return 2
+    params = generate_params(args)
     t0 = time.perf_counter()
     if args.address:
         group = RankGroup.connect(args.address)
     else:
-        from v4flash_backend.settings import Settings
-
-        extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
-                                   ("graph_backend", getattr(args, "graph_backend", None)),
-                                   ("spec_mode", getattr(args, "spec_mode", None)),
-                                   ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
-        settings = Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
-                            ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
-                            max_model_len=len(prompt) + args.max_tokens + 8, **extra)
-        group = RankGroup.launch(settings, python=args.python)
+        group = RankGroup.launch(generate_settings(args, prompt), python=args.python)
     t1 = time.perf_counter()
     try:
         st = group.submit(prompt, params)
@@ -489,16 +523,7 @@ def generate_via_group(args) -> int:
     finally:
         if not args.address:
             group.shutdown()
-    print("output_ids:", " ".join(map(str, tokens)))
-    if tok is not None:
-        print("text:", tok.decode(tokens))
-    n = len(tokens)
-    dec = t2 - (first or t2)
-    print(f"finish_reason={reason} tokens={n} world_size={group.info.get('world_size')} start_s={t1 - t0:.1f} "
-          f"ttft_s={(first or t2) - t1:.3f} decode_tok_s={(n - 1) / dec if n > 1 and dec > 0 else 0:.1f} "
-          f"drafted={last['drafted']} accepted={last['accepted']}")
-    if report is not None:
-        print(step_report_lines(tokens, report, group.info.get("world_size")), end="")
+    print_generation(tokens, reason, last, tok, group.info.get("world_size"), (t0, t1, first, t2), report)
     return 0
 
 

@@ -12,9 +12,11 @@ Plan layout: int64[size]; header [MAGIC, op, sequence number, body length, a0, a
 the body. FORWARD: a = (T tokens, S segments, L logits rows or -1 'last' / -2 'all' / -3 'none',
 want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes, items); body =
 per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. ROUND (a static
-decode round, decode_graph static): a = (S, stop width, spec mode, fixed_len); body = `pack_round`'s
+decode round, decode_graph static): a = (S, stop width, spec mode (+ 4: the logit-processing variant,
+with the n_out / min_tokens and frequency / presence columns), fixed_len); body = `pack_round`'s
 int64 columns, float64 columns as bits, stop ids, the SPS table. LOAD_BLOCK: a host-drafted draft
-block into every rank's per-slot block state (`pack_block`). RESET: a0 = slot.
+block into every rank's per-slot block state (`pack_block`). COUNTS: a = (slot, n), body = the slot's
+n generated ids (the processed rounds' penalty counts, after eager steps). RESET: a0 = slot.
 GROW: a0 = the new plan size (both sides switch buffers; sizes only grow). NOOP: a heartbeat
 rank 0 sends when idle so followers waiting for a plan never reach the collective timeout; it is
 followed by a one-element world all-reduce (counted as 'heartbeat'), so a rank that hangs while
@@ -63,12 +65,16 @@ import torch
 
 MAGIC = 0x56344650
 HDR = 8
-OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK, OP_ROUND, OP_LOAD_BLOCK = range(8)
+OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK, OP_ROUND, OP_LOAD_BLOCK, OP_COUNTS = range(9)
 OP_NAMES = {OP_NOOP: "noop", OP_STOP: "stop", OP_GROW: "grow", OP_RESET: "reset_slot",
-            OP_FORWARD: "forward", OP_DSPARK: "dspark", OP_ROUND: "decode_round", OP_LOAD_BLOCK: "load_block"}
+            OP_FORWARD: "forward", OP_DSPARK: "dspark", OP_ROUND: "decode_round", OP_LOAD_BLOCK: "load_block",
+            OP_COUNTS: "set_counts"}
 _ROUND_INTS = ("slot", "start", "pending", "ell", "top_k", "seed", "rnd", "budget", "len_left")
 _ROUND_FLOATS = ("temperature", "top_p")
 _MODES = ("off", "dspark", "fixed")
+# the processed round's columns (min_tokens, penalties, log-probs in the graphs): a2 = mode + 4
+_PROC_INTS = ("n_out", "min_tokens")
+_PROC_FLOATS = ("frequency", "presence")
 _ROWS = {"last": -1, "all": -2, "none": -3}
 _ROWS_INV = {v: k for k, v in _ROWS.items()}
 
@@ -129,20 +135,26 @@ def pack_round(plan: dict):
     from v4flash_backend.trn2.neuron import pad_sps
 
     S, W = len(plan["slot"]), len(plan["stop_ids"][0])
-    ints = _long([plan[k] for k in _ROUND_INTS])
-    floats = torch.tensor([plan[k] for k in _ROUND_FLOATS], dtype=torch.float64).view(torch.int64).reshape(-1)
+    proc = "n_out" in plan
+    ints = _long([plan[k] for k in _ROUND_INTS + (_PROC_INTS if proc else ())])
+    floats = torch.tensor([plan[k] for k in _ROUND_FLOATS + (_PROC_FLOATS if proc else ())],
+                          dtype=torch.float64).view(torch.int64).reshape(-1)
     stops = _long(plan["stop_ids"])
     sps = pad_sps(plan.get("sps")).reshape(-1).view(torch.int64)
-    return (S, W, _MODES.index(plan["spec_mode"]), int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps])
+    mode = _MODES.index(plan["spec_mode"]) + (4 if proc else 0)
+    return (S, W, mode, int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps])
 
 
 def unpack_round(a, body: torch.Tensor) -> dict:
     S, W, mode, fixed = a
-    ni, nf = len(_ROUND_INTS) * S, len(_ROUND_FLOATS) * S
-    ints = body[:ni].view(len(_ROUND_INTS), S).tolist()
-    floats = body[ni:ni + nf].clone().view(torch.float64).view(len(_ROUND_FLOATS), S).tolist()
-    plan = dict(zip(_ROUND_INTS, ints))
-    plan.update(zip(_ROUND_FLOATS, floats))
+    names_i = _ROUND_INTS + (_PROC_INTS if mode >= 4 else ())
+    names_f = _ROUND_FLOATS + (_PROC_FLOATS if mode >= 4 else ())
+    mode %= 4
+    ni, nf = len(names_i) * S, len(names_f) * S
+    ints = body[:ni].view(len(names_i), S).tolist()
+    floats = body[ni:ni + nf].clone().view(torch.float64).view(len(names_f), S).tolist()
+    plan = dict(zip(names_i, ints))
+    plan.update(zip(names_f, floats))
     plan["stop_ids"] = body[ni + nf:ni + nf + S * W].view(S, W).tolist()
     plan["sps"] = body[ni + nf + S * W:].clone().view(torch.float64).view(2, -1)
     plan["spec_mode"], plan["fixed_len"] = _MODES[mode], fixed
@@ -204,6 +216,11 @@ class PlanRunner:
 
     def read_block(self, slot: int):
         return self.local.read_block(slot)  # every rank holds the same blocks: rank 0 reads its own
+
+    def set_counts(self, slot: int, generated) -> None:
+        ids = list(generated)
+        self._send(OP_COUNTS, (slot, len(ids)), _long(ids) if ids else None)
+        self.local.set_counts(slot, ids)
 
     def _send(self, op: int, a=(), body: torch.Tensor | None = None) -> None:
         n = 0 if body is None else body.numel()
@@ -306,6 +323,8 @@ def follow(local, coll, plan_size: int = 2048) -> int:
             coll.end_step()
         elif op == OP_LOAD_BLOCK:
             local.load_block(*unpack_block(a, body))
+        elif op == OP_COUNTS:
+            local.set_counts(a[0], body[:a[1]].tolist())
         else:
             raise PlanError(f"unknown plan op {op}")
 
@@ -550,7 +569,12 @@ def main(argv=None) -> int:
     ops.set_backend(settings.ops_backend)
     if settings.numerics:
         ops.set_numerics(settings.numerics)
-    lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s)
+    from v4flash_backend.config import ModelConfig
+    from v4flash_backend.parallel.layout import attention_group_max
+
+    cfg = ModelConfig.from_json(settings.checkpoint_dir)
+    lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s,
+                                 attention_group_max(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
     rank = lay.rank
     t0 = time.monotonic()
     if lay.world > 1:
@@ -604,7 +628,7 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     from v4flash_backend.engine.engine import STOP_WIDTH
 
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
-                          stop_width=STOP_WIDTH)
+                          stop_width=STOP_WIDTH, processed=settings.warm_processed)
     runner.warm_up_prefill(progress if rank == 0 else None)
     _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
                f"{time.monotonic() - t0:.1f} s")

@@ -127,16 +127,19 @@ def graph_collectives(gm) -> dict[str, int]:
     return out
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 60.0) -> tuple[Layout, Collectives]:
+def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
+                     group_max: int | None = None) -> tuple[Layout, Collectives]:
     """Join the process group torchrun describes (RANK / WORLD_SIZE / MASTER_ADDR in the
     environment) and create the attention groups. A collective that waits longer than `timeout_s`
-    raises, so a hung or dead peer ends the rank instead of blocking it forever."""
+    raises, so a hung or dead peer ends the rank instead of blocking it forever. group_max: the
+    attention group size bound (`layout.attention_group_max` of the checkpoint); the environment's
+    V4FLASH_ATTN_GROUP wins."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     # V4FLASH_ATTN_GROUP overrides the group size (tests use 2 to get several groups at W = 4)
-    lay = Layout(rank, world, int(os.environ.get("V4FLASH_ATTN_GROUP", ATTN_GROUP_MAX)))
+    lay = Layout(rank, world, int(os.environ.get("V4FLASH_ATTN_GROUP", group_max or ATTN_GROUP_MAX)))
     if world == 1:
         return lay, Collectives()
     backend = backend or os.environ.get("V4FLASH_DIST_BACKEND", "gloo")

@@ -91,6 +91,21 @@ class Layout:
         return shard_range(n_experts, self.rank, self.world)
 
 
+def attention_group_max(cfg: ModelConfig, world: int, group_max: int = ATTN_GROUP_MAX) -> int:
+    """The largest attention group size <= min(group_max, world) that the checkpoint can be split
+    by: whole o-groups, query heads and indexer heads per rank, fp8 tiles whole, and W a multiple
+    of it (e.g. the tiny model's 2 o-groups at W = 4: groups of 2 ranks, replicated twice; the
+    release's 8 o-groups at W = 64: groups of 8)."""
+    g = min(group_max, world)
+    while g > 1:
+        rows = (cfg.n_heads * cfg.head_dim, cfg.o_groups * cfg.o_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        if (world % g == 0 and cfg.o_groups % g == 0 and cfg.n_heads % g == 0 and cfg.index_n_heads % g == 0
+                and all((r // g) % FP8_BLOCK == 0 for r in rows)):
+            return g
+        g -= 1
+    return 1
+
+
 # ---- placement rule: which slice of each checkpoint tensor a rank holds -------------------------
 FULL = ("full",)
 

@@ -95,6 +95,12 @@ class ServingMetrics:
         self.h2d_bytes_per_step = family("v4flash:decode_host_to_device_bytes_per_step",
                                          "Host-to-device bytes per decode step (plans, noise keys, uploads)",
                                          F.GAUGE).Metric(labels=labels)
+        self.static_fallback_steps = family("v4flash:static_fallback_steps",
+                                            "Decode steps a static runner ran op by op (more than 8 stop ids, "
+                                            "no bucket)", F.GAUGE).Metric(labels=labels)
+        self.graphs_per_prefill_step = family("v4flash:prefill_graph_executions_per_step",
+                                              "Graph executions per step with prefill rows (prefill graphs + the "
+                                              "verify graph of its decode rows; 0: eager)", F.GAUGE).Metric(labels=labels)
 
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
@@ -151,7 +157,9 @@ class ServingMetrics:
         """The decode-step counters of an engine stats dict (absent keys: left as they are)."""
         for key, metric in (("decode_steps", self.decode_steps), ("graphs_per_step", self.graphs_per_step),
                             ("host_syncs_per_step", self.host_syncs_per_step),
-                            ("host_to_device_bytes_per_step", self.h2d_bytes_per_step)):
+                            ("host_to_device_bytes_per_step", self.h2d_bytes_per_step),
+                            ("static_fallback_steps", self.static_fallback_steps),
+                            ("graphs_per_prefill_step", self.graphs_per_prefill_step)):
             if key in st:
                 metric.set(float(st[key]))
 
@@ -160,6 +168,6 @@ class ServingMetrics:
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
                      "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
-                     "h2d_bytes_per_step"):
+                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step"):
             setattr(self, name, None)
         self._families.clear()

@@ -216,25 +216,39 @@ class StaticGraphs:
     _rdraft: dict = field(default_factory=dict)
 
     # ---- the served decode round (static_round) -----------------------------------------------------
-    def round_verify_graph(self, b: Bucket):
-        if b not in self._rverify:
+    def round_verify_graph(self, b: Bucket, processed: bool = False):
+        """Graph 1 of bucket b; processed: the variant with min_tokens, penalties and log-probs."""
+        if (b, processed) not in self._rverify:
             from .static_round import verify_round
 
             dec, blk = self.decoder, self.blocks
-            self._rverify[b] = compile_step(
-                lambda slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids:
-                verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed, rnd,
-                             budget, stop_ids), self.settings, self.stats)
-        return self._rverify[b]
+            if processed:
+                def fn(slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids, n_out,
+                       min_tokens, frequency, presence):
+                    return verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed,
+                                        rnd, budget, stop_ids, _proc(n_out, min_tokens, frequency, presence, stop_ids))
+            else:
+                def fn(slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids):
+                    return verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed,
+                                        rnd, budget, stop_ids)
+            self._rverify[(b, processed)] = compile_step(fn, self.settings, self.stats)
+        return self._rverify[(b, processed)]
 
-    def round_draft_graph(self, b: Bucket, mode: str, fixed_len: int):
-        key = (b.seqs, b.rows, mode, fixed_len if mode == "fixed" else 0)
+    def round_draft_graph(self, b: Bucket, mode: str, fixed_len: int, processed: bool = False):
+        key = (b.seqs, b.rows, mode, fixed_len if mode == "fixed" else 0, processed)
         if key not in self._rdraft:
             from .static_round import draft_round
 
             dec, blk = self.decoder, self.blocks
-            self._rdraft[key] = compile_step(
-                lambda *a: draft_round(dec, blk, mode, fixed_len, *a), self.settings, self.stats)
+            if processed:
+                def fn(*a):
+                    *a, n_out, min_tokens, frequency, presence, stop_ids, lp = a
+                    return draft_round(dec, blk, mode, fixed_len, *a,
+                                       proc=_proc(n_out, min_tokens, frequency, presence, stop_ids), extra=lp)
+            else:
+                def fn(*a):
+                    return draft_round(dec, blk, mode, fixed_len, *a)
+            self._rdraft[key] = compile_step(fn, self.settings, self.stats)
         return self._rdraft[key]
 
     def _ran(self, graph) -> None:
@@ -250,16 +264,20 @@ class StaticGraphs:
         """One decode round: graph 1, then (with DSpark) graph 2; returns the [S, G+5] read-back."""
         from .static_round import pack
 
-        g1 = self.round_verify_graph(b)
-        tokens_out, committed, accepted, stopped, taps = g1(
+        processed = "n_out" in x  # the processed variant (static_round: min_tokens, penalties, log-probs)
+        proc = [x[k] for k in PROC_INPUTS] if processed else []
+        g1 = self.round_verify_graph(b, processed)
+        tokens_out, committed, accepted, stopped, taps, *lp = g1(
             x["slot"], x["start"], x["n"], x["pending"], x["temperature"], x["top_k"], x["top_p"], x["seed"],
-            x["rnd"], x["budget"], x["stop_ids"])
+            x["rnd"], x["budget"], x["stop_ids"], *proc)
         self._ran(g1)
         if mode == "off":
-            return pack(tokens_out, committed, accepted, stopped, torch.zeros_like(committed))
-        g2 = self.round_draft_graph(b, mode, fixed_len)
+            out = pack(tokens_out, committed, accepted, stopped, torch.zeros_like(committed))
+            return torch.cat([out, lp[0]], 1) if lp else out
+        g2 = self.round_draft_graph(b, mode, fixed_len, processed)
+        extra = proc + [x["stop_ids"]] + lp if processed else []
         out = g2(taps, committed, tokens_out, accepted, stopped, x["slot"], x["start"], x["n"], x["temperature"],
-                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"])
+                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"], *extra)
         self._ran(g2)
         return out
 
@@ -284,18 +302,20 @@ class StaticGraphs:
         self.executions += 1
         return self.draft_graph(b)(taps, commit, slot, start, anchor)
 
-    def round_padding(self, b: Bucket, stop_width: int) -> dict:
+    def round_padding(self, b: Bucket, stop_width: int, processed: bool = False) -> dict:
         """Inputs of a round of padding sequences only (scratch slot, no valid row): it changes no
         real slot's state, so it compiles the round graphs at start."""
         S, z = b.seqs, torch.zeros(b.seqs, dtype=torch.long)
-        return dict(slot=torch.full((S,), self.decoder.scratch, dtype=torch.long), start=z, n=z.clone(),
+        proc = dict(n_out=z.clone(), min_tokens=z.clone(), frequency=torch.zeros(S, dtype=torch.float64),
+                    presence=torch.zeros(S, dtype=torch.float64)) if processed else {}
+        return proc | dict(slot=torch.full((S,), self.decoder.scratch, dtype=torch.long), start=z, n=z.clone(),
                     pending=z.clone(), temperature=torch.zeros(S, dtype=torch.float64), top_k=z.clone(),
                     top_p=torch.ones(S, dtype=torch.float64), seed=z.clone(), rnd=z.clone(), budget=z.clone(),
                     len_left=z.clone(), stop_ids=torch.full((S, stop_width), -1, dtype=torch.long),
                     sps_t=pad_sps(None))
 
     def warm_up(self, progress=sys.stderr, mode: str | None = None, fixed_len: int = 0,
-                stop_width: int = 8) -> float:
+                stop_width: int = 8, processed: bool = True) -> float:
         """Compile (or load from the cache) every bucket's graphs by running them on padding plans,
         which leave the state untouched. With `blocks` (the served runner) these are the round
         graphs of spec mode `mode`. Returns the seconds it took."""
@@ -313,7 +333,8 @@ class StaticGraphs:
                                                                   self.round_padding(b, stop_width))
         for i, b in enumerate(self.buckets):
             if self.blocks is not None:
-                self.round(b, mode or "off", fixed_len, self.round_padding(b, stop_width))
+                for proc in (False, True)[:1 + processed]:  # the plain and the logit-processing variant
+                    self.round(b, mode or "off", fixed_len, self.round_padding(b, stop_width, proc))
                 bar.show(i + 1, str(b))
                 continue
             tokens, slot, start, n = dec.padding_plan(b.seqs, b.rows)
@@ -322,6 +343,13 @@ class StaticGraphs:
                 self.draft_graph(b)(taps, n, slot, start, tokens[:, 0])
             bar.show(i + 1, str(b))
         return time.perf_counter() - t0
+
+
+PROC_INPUTS = ("n_out", "min_tokens", "frequency", "presence")  # the processed round's extra inputs
+
+
+def _proc(n_out, min_tokens, frequency, presence, stop_ids) -> dict:
+    return dict(n_out=n_out, min_tokens=min_tokens, frequency=frequency, presence=presence, stop_ids=stop_ids)
 
 
 SPS_WIDTH = 16  # SPS table entries a round takes (padded with its last entry: same lookups)
@@ -365,48 +393,112 @@ class StaticRunner(LocalRunner):
         # port's 4096-token segment), padded into the next power-of-two row bucket
         self.pgraphs = None
         if prefill_rows:
-            prefill_rows = min(prefill_rows, 4096)
+            prefill_rows = min(prefill_rows, 4096, max_len)  # a chunk never exceeds the context
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=prefill_rows, prefill=True)
             pb = [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
                   for L in bucket_sizes(max_len, min(256, max_len))]
             self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
-        self.counters["prefill_graphs"] = 0
+        self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0)
 
     def warm_up_prefill(self, progress=None) -> None:
-        """Compile every prefill bucket on a padding chunk (it writes nothing)."""
-        if self.pgraphs is None or self.pgraphs.settings.backend == "none":
+        """Compile every prefill bucket on a padding chunk (it writes nothing), and every decode
+        bucket's bare verify graph (the forward of a step's short segments, `forward`)."""
+        if self.graphs.settings.backend == "none":
             return
-        bar = _Progress(len(self.pgraphs.buckets), progress)
-        for i, b in enumerate(self.pgraphs.buckets):
+        pb = self.pgraphs.buckets if self.pgraphs is not None else []
+        bar = _Progress(len(pb) + len(self.buckets), progress)
+        for i, b in enumerate(pb):
             self.pgraphs.verify_graph(b)(*self.pdecoder.padding_plan(1, b.rows))
             bar.show(i + 1, f"prefill {b}")
+        for i, b in enumerate(self.buckets):
+            self.graphs.verify_graph(b)(*self.decoder.padding_plan(b.seqs, b.rows))
+            bar.show(len(pb) + i + 1, f"forward {b}")
+
+    def forward_plan(self, spec):
+        """How a step's target forward runs as fixed-shape graphs: (verify bucket or None, the
+        segments through it, [(prefill bucket, segment index)]) -- segments of up to 1 + G rows
+        (decode rows, short chunks) go together through the decode bucket's verify graph, longer
+        ones (prefill chunks) each through the prefill graph of their row bucket. None: no bucket
+        holds the step (it runs the eager forward, counted as eager_forwards)."""
+        Q = 1 + self.G
+        short = [i for i, (_, _, n) in enumerate(spec) if n <= Q]
+        long = [i for i, (_, _, n) in enumerate(spec) if n > Q]
+        vb, pre = None, []
+        try:
+            if short:
+                vb = pick_bucket(self.buckets, len(short), Q, max(spec[i][1] + spec[i][2] for i in short))
+            for i in long:
+                if self.pgraphs is None:
+                    return None
+                _, start, n = spec[i]
+                pre.append((pick_bucket(self.pgraphs.buckets, 1, n, start + n), i))
+        except ValueError:
+            return None
+        return vb, short, pre
 
     def forward(self, tokens, spec, logits_rows, want_taps):
-        """A step that is one sequence's prefill chunk runs the prefill graph of its bucket (a chunk
-        and the decode rows of other sequences in one step: the eager forward)."""
-        if self.pgraphs is None or len(spec) != 1 or spec[0][0] == self.decoder.scratch:
-            return super().forward(tokens, spec, logits_rows, want_taps)
-        slot, start, n = spec[0]
-        try:
-            b = pick_bucket(self.pgraphs.buckets, 1, n, start + n)
-        except ValueError:
+        """Any step's target forward through the graphs of `forward_plan`: a step of several
+        sequences' prefill chunks, or a chunk with other sequences' decode rows, is one verify graph
+        (all the short segments) plus one prefill graph per long chunk; the logits and DSpark taps
+        come back in the step's row order, equal to the eager forward's bit for bit. The SPS
+        profile's scratch-slot forwards and steps no bucket holds run the eager forward."""
+        plan = None if any(sl == self.decoder.scratch for sl, _, _ in spec) else self.forward_plan(spec)
+        if plan is None:
+            if not any(sl == self.decoder.scratch for sl, _, _ in spec):
+                self.counters["eager_forwards"] += 1
             return super().forward(tokens, spec, logits_rows, want_taps)
         from v4flash_backend.model.transformer import StepOutput
 
-        tok = torch.zeros(1, b.rows, dtype=torch.long)
-        tok[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
-        plan = (tok, torch.tensor([slot]), torch.tensor([start]), torch.tensor([n]))
-        before = self.pgraphs.executions
-        logits, taps = self.pgraphs.verify(b, *plan)
-        self.last_taps = taps[:n] if taps is not None else None
+        vb, short, pre = plan
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        offs = [0]
+        for _, _, n in spec:
+            offs.append(offs[-1] + n)
+        logits_parts, taps_parts, src = [], [], [None] * offs[-1]  # src[row] = row of the concatenated outputs
+        base, h2d, before = 0, 0, (self.graphs.executions, self.pgraphs.executions if self.pgraphs else 0)
+        if vb is not None:
+            S, Q = vb.seqs, vb.rows
+            tok = torch.zeros(S, Q, dtype=torch.long)
+            slot = torch.full((S,), self.decoder.scratch, dtype=torch.long)
+            start, n = torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
+            for j, i in enumerate(short):
+                sl, a, k = spec[i]
+                tok[j, :k] = tokens[offs[i]:offs[i] + k]
+                slot[j], start[j], n[j] = sl, a, k
+                for r in range(k):
+                    src[offs[i] + r] = base + j * Q + r
+            self.decoder.check_plan(vb, slot.tolist(), start.tolist(), n.tolist())
+            lg, tp = self.graphs.verify(vb, tok, slot, start, n)
+            logits_parts.append(lg)
+            taps_parts.append(tp)
+            base += S * Q
+            h2d += 8 * (tok.numel() + 3 * S)
+        for pb, i in pre:
+            sl, a, k = spec[i]
+            tok = torch.zeros(1, pb.rows, dtype=torch.long)
+            tok[0, :k] = tokens[offs[i]:offs[i] + k]
+            lg, tp = self.pgraphs.verify(pb, tok, torch.tensor([sl]), torch.tensor([a]), torch.tensor([k]))
+            for r in range(k):
+                src[offs[i] + r] = base + r
+            logits_parts.append(lg)
+            taps_parts.append(tp)
+            base += pb.rows
+            h2d += 8 * (pb.rows + 3)
+        src = torch.tensor(src, dtype=torch.long)
+        taps = torch.cat(taps_parts)[src] if taps_parts and taps_parts[0] is not None else None
+        self.last_taps = taps
         if isinstance(logits_rows, str):
-            pick = {"all": slice(0, n), "last": slice(n - 1, n), "none": None}[logits_rows]
+            last = torch.tensor([o - 1 for o in offs[1:]], dtype=torch.long)  # the last row of each segment
+            pick = {"all": src, "last": src[last], "none": None}[logits_rows]
         else:
-            pick = torch.as_tensor(logits_rows, dtype=torch.long)
-        out = None if pick is None else logits[pick]
-        self._count(out is not None, sum(t.numel() * 8 for t in plan), self.pgraphs.executions - before)
-        self.counters["prefill_graphs"] += 1
-        return StepOutput(out, self.last_taps if want_taps else None, None)
+            pick = src[torch.as_tensor(logits_rows, dtype=torch.long)]
+        out = None if pick is None else torch.cat(logits_parts)[pick]
+        rows = 0 if pick is None else len(pick)
+        graphs = self.graphs.executions - before[0] + ((self.pgraphs.executions - before[1]) if self.pgraphs else 0)
+        self._count(out is not None, h2d + 8 * rows, graphs)
+        self.counters["prefill_graphs"] += len(pre)
+        self.counters["forward_graphs"] += graphs
+        return StepOutput(out, taps if want_taps else None, None)
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """What stays on the device: the weights, every per-slot cache, the draft blocks."""
@@ -455,7 +547,17 @@ class StaticRunner(LocalRunner):
                  stop_ids=torch.tensor([list(r) for r in plan["stop_ids"]] + [[-1] * len(plan["stop_ids"][0])] * pad,
                                        dtype=torch.long),
                  sps_t=pad_sps(plan.get("sps")))
+        if "n_out" in plan:  # the processed variant: min_tokens, penalties, log-probs in the graphs
+            x.update(n_out=col("n_out", 0), min_tokens=col("min_tokens", 0),
+                     frequency=col("frequency", 0.0, torch.float64), presence=col("presence", 0.0, torch.float64))
         return b, x
+
+    def set_counts(self, slot: int, generated) -> None:
+        """The slot's generated-token counts (the penalties' input of the processed rounds) from its
+        generated ids: after eager steps committed tokens the device counts have not seen."""
+        t = torch.as_tensor(list(generated), dtype=torch.long)
+        self.blocks.counts[slot] = torch.bincount(t, minlength=self.cfg.vocab_size).to(torch.float64)
+        self._count(0, t.numel() * 8)
 
     def decode_round(self, plan: dict) -> list[list[int]]:
         b, x = self.round_inputs(plan)

@@ -26,6 +26,7 @@ import torch
 from v4flash_backend.engine import noise
 from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import admit_static
+from v4flash_backend.engine.sampling import LOGPROB_COLS, LOGPROB_WIDTH
 
 from .static_step import StaticDecoder
 
@@ -39,11 +40,14 @@ class BlockState:
     tokens: torch.Tensor
     q: torch.Tensor
     z: torch.Tensor
+    # [slots, V] f64: how often each id occurs in the slot's generated tokens (the penalties'
+    # counts; the processed round graphs add each round's committed tokens, `set_counts` loads them)
+    counts: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, slots: int, G: int, V: int) -> "BlockState":
         return cls(torch.zeros(slots, G, dtype=torch.long), torch.ones(slots, G, dtype=torch.float32),
-                   torch.zeros(slots, G, V, dtype=torch.float32))
+                   torch.zeros(slots, G, V, dtype=torch.float32), torch.zeros(slots, V, dtype=torch.float64))
 
 
 # the int64 inputs of a round, [S] each unless noted (one row per sequence of the bucket)
@@ -51,26 +55,36 @@ ROUND_INPUTS = ("slot", "start", "n", "pending", "top_k", "seed", "rnd", "budget
 
 
 def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, pending, temperature, top_k,
-                 top_p, seed, rnd, budget, stop_ids):
+                 top_p, seed, rnd, budget, stop_ids, proc: dict | None = None):
     """Graph 1. n [S]: 1 + ell for a sequence, 0 for a padding one. Returns (committed tokens
-    [S, G+1] (-1 padded), committed count [S], accepted [S], stopped [S], taps)."""
+    [S, G+1] (-1 padded), committed count [S], accepted [S], stopped [S], taps), and with `proc`
+    (the processed variant: `process_verify_rows`) also the log-probs pack of the committed tokens."""
     G = dec.max_rows - 1
     S = slot.shape[0]
     drafts = blk.tokens[slot]
     tokens = torch.cat([pending[:, None], drafts], dim=1)
     logits, taps = dec.verify(tokens, slot, start, n, ctx)
     V = logits.shape[-1]
+    if proc is not None:
+        logits = process_verify_rows(logits.view(S, G + 1, V), blk.counts[slot], drafts, stop_ids, proc)
     ell = (n - 1).clamp_min(0)
     u_acc = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G) if G else torch.zeros(S, 0, dtype=torch.float64)
     u_fin = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 1, None)
     res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot], blk.z[slot], ell, temperature, top_k, top_p,
                         u_acc, u_fin, stop_ids, budget)
-    return res.tokens, res.num_tokens, res.accepted, res.stopped, taps
+    if proc is None:
+        return res.tokens, res.num_tokens, res.accepted, res.stopped, taps
+    lp = logprobs_pack(logits.view(S * (G + 1), V), res.tokens, temperature, top_k, top_p)
+    add_counts(blk, slot, res.tokens, n > 0)
+    return res.tokens, res.num_tokens, res.accepted, res.stopped, taps, lp
 
 
 def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, taps, committed, tokens_out,
-                accepted, stopped, slot, start, n, temperature, top_k, top_p, seed, rnd, budget, len_left, sps_t):
-    """Graph 2 (mode: dspark | fixed). Returns the round's read-back [S, G+5] int64."""
+                accepted, stopped, slot, start, n, temperature, top_k, top_p, seed, rnd, budget, len_left, sps_t,
+                proc: dict | None = None, extra=None):
+    """Graph 2 (mode: dspark | fixed). Returns the round's read-back [S, G+5] int64 (with `extra`,
+    graph 1's log-probs pack, appended: still one read-back). `proc`: the processed variant's
+    drafting processors (`draft_logit_fn`)."""
     G = dec.max_rows - 1
     S = slot.shape[0]
     d = dec.drafter
@@ -78,7 +92,9 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     anchor = tokens_out.gather(1, (k - 1).clamp_min(0)[:, None]).squeeze(1).clamp_min(0)
     U, hidden, *_ = dec.draft(taps, k, slot, start, anchor, greedy=False)
     u_draft = torch.stack([noise.call_uniforms(seed, rnd, noise.STREAM_DRAFT, j, None) for j in range(G)], 1)
-    block = markov_draft_static(U, anchor, lambda prev: d.markov(prev)[0], temperature, top_k, top_p, u_draft)
+    fn = None if proc is None else draft_logit_fn(blk.counts[slot], proc["n_out"] + k, proc)
+    block = markov_draft_static(U, anchor, lambda prev: d.markov(prev)[0], temperature, top_k, top_p, u_draft,
+                                logit_fn=fn)
     live = (n > 0) & ~stopped & (k < budget) & (k < len_left)
     if mode == "dspark":
         c = torch.sigmoid(d.confidence(hidden, d.markov(block.prev)[1]))
@@ -90,10 +106,94 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     blk.tokens[slot] = block.tokens
     blk.q[slot] = block.q_token.float()
     blk.z[slot] = block.z.float()
-    return pack(tokens_out, committed, accepted, stopped, ell)
+    out = pack(tokens_out, committed, accepted, stopped, ell)
+    return out if extra is None else torch.cat([out, extra], 1)
 
 
 def pack(tokens_out, committed, accepted, stopped, ell):
     """The round's read-back: [S, G+1 committed tokens | committed | accepted | stopped | next ell]."""
     return torch.cat([tokens_out, committed[:, None], accepted[:, None], stopped.long()[:, None],
                       ell.long()[:, None]], 1)
+
+
+# ---- the processed round variant: min_tokens, penalties and log-probs inside the graphs -------------
+# The host forms are Engine._process_target / _draft_logit_fn / _logprobs (sampling.apply_penalties,
+# mask_stop_tokens, token_logprobs); these are the same operations over fixed shapes, applied to every
+# row (a zero penalty and an inactive min_tokens row leave the logits bit for bit as they are, which is
+# what the host does for a request without them), so eager and static commit the same tokens and
+# report the same log-probs. proc: n_out [S] (generated tokens before the round), min_tokens [S],
+# frequency / presence [S] f64, stop_ids [S, W].
+
+# the graph computes the top LOGPROB_WIDTH alternatives (as the host does: sampling.LOGPROB_WIDTH) and
+# the host keeps the request's first `logprobs`
+
+
+def mask_stop_static(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """`sampling.mask_stop_tokens` without the host read: rows where active [N] get -inf at their
+    stop ids [N, W] (-1 pads)."""
+    V = logits.shape[-1]
+    idx = torch.where((stop_ids >= 0) & active[:, None], stop_ids, V)
+    hit = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool).scatter(1, idx, True)[:, :V]
+    return logits.masked_fill(hit, float("-inf"))
+
+
+def process_verify_rows(logits: torch.Tensor, base: torch.Tensor, drafts: torch.Tensor, stop_ids: torch.Tensor,
+                        proc: dict) -> torch.Tensor:
+    """The target's processors on verify rows [S, G+1, V]: row j follows the committed output
+    (counts `base` [S, V]) and the first j drafts; penalties, then min_tokens (row j predicts output
+    token n_out + j). Returns [S*(G+1), V]."""
+    from v4flash_backend.engine.sampling import apply_penalties
+
+    S, G1, V = logits.shape
+    before = torch.nn.functional.one_hot(drafts.long(), V).cumsum(1).to(base.dtype)  # [S, G, V]
+    counts = torch.cat([base[:, None], base[:, None] + before], 1)[:, :G1]
+    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
+    x = apply_penalties(logits.reshape(S * G1, V), counts.reshape(S * G1, V), rep(proc["frequency"]).float(),
+                        rep(proc["presence"]).float())
+    pos = proc["n_out"][:, None] + torch.arange(G1)
+    active = (pos < proc["min_tokens"][:, None]).reshape(-1)
+    stops = stop_ids[:, None, :].expand(S, G1, stop_ids.shape[1]).reshape(S * G1, -1)
+    return mask_stop_static(x, stops, active)
+
+
+def draft_logit_fn(base: torch.Tensor, n_out: torch.Tensor, proc: dict):
+    """Draft slot k predicts output token n_out + k after the committed output (counts `base`) and
+    drafts x_1..x_k: the verify row's processors (Engine._draft_logit_fn's static form)."""
+    from v4flash_backend.engine.sampling import apply_penalties
+
+    V = base.shape[1]
+    freq, pres = proc["frequency"].float(), proc["presence"].float()
+
+    def fn(k: int, z: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        counts = base + torch.nn.functional.one_hot(drafted.long(), V).sum(1).to(base.dtype) if k else base
+        z = apply_penalties(z, counts, freq, pres)
+        return mask_stop_static(z, proc["stop_ids"], n_out + k < proc["min_tokens"])
+
+    return fn
+
+
+def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """`sampling.token_logprobs` of the committed tokens [S, G+1] (-1 padded) under their processed
+    verify rows [S*(G+1), V], top LOGPROB_WIDTH alternatives, packed as int64 [S, (G+1)*LOGPROB_COLS]
+    (float64 values bit-cast) for the round's one read-back (`sampling.unpack_logprobs` reads it)."""
+    from v4flash_backend.engine.sampling import GREEDY_TEMPERATURE, process_logits_static
+
+    S, G1 = tokens.shape
+    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
+    x = logits.to(torch.float64)
+    T = rep(temperature)
+    lp = torch.log(process_logits_static(x, T, rep(top_k), rep(top_p)))
+    lp = torch.where((T < GREEDY_TEMPERATURE)[:, None], torch.log_softmax(x, -1), lp)
+    tok = lp.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
+    rank = 1 + (lp > tok[:, None]).sum(1)
+    top_lp, top_ids = lp.topk(LOGPROB_WIDTH, dim=-1)
+    as_int = lambda t: t.contiguous().view(torch.int64)  # noqa: E731
+    cols = torch.cat([as_int(tok)[:, None], rank[:, None], top_ids, as_int(top_lp)], 1)  # [S*(G+1), COLS]
+    return cols.view(S, G1 * LOGPROB_COLS)
+
+
+def add_counts(blk: BlockState, slot: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor) -> None:
+    """The round's committed tokens [S, G+1] (-1 padded) into the slots' generated-token counts."""
+    base = blk.counts[slot]
+    w = ((tokens >= 0) & live[:, None]).to(base.dtype)
+    blk.counts[slot] = base.scatter_add(1, tokens.clamp_min(0), w)
