@@ -169,8 +169,9 @@ def unpack_block(a, body: torch.Tensor):
 class PlanRunner:
     """Rank 0's runner: the `LocalRunner` interface, each call broadcast as a plan first."""
 
-    def __init__(self, local, coll, plan_size: int = 2048, heartbeat_s: float = 2.0):
+    def __init__(self, local, coll, plan_size: int = 2048, heartbeat_s: float = 2.0, src: int = 0):
         self.local = local
+        self.src = src  # this rank (the driver: global rank 0, or the last stage's first rank)
         self.model = local.model
         self.cfg = local.cfg
         self.state = local.state
@@ -217,7 +218,7 @@ class PlanRunner:
         buf[:HDR] = _long([MAGIC, op, self.seq, n, *a, *([0] * (4 - len(a)))])
         if n:
             buf[HDR:HDR + n] = body
-        self.coll.broadcast(buf, 0, "world")
+        self.coll.broadcast(buf, self.src, "world")
         self.seq += 1
         self.sent[OP_NAMES[op]] += 1
         self.last_send = time.monotonic()
@@ -272,12 +273,14 @@ class PlanRunner:
         self._send(OP_STOP)
 
 
-def follow(local, coll, plan_size: int = 2048) -> int:
-    """Ranks > 0: execute rank 0's plans until STOP; returns the number of plans executed."""
+def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True) -> int:
+    """Every rank but the driver `src`: execute its plans until STOP; returns the number of plans
+    executed. drafts False (a pipeline stage before the last): DSpark plans are skipped, the draft
+    stages live on the last stage."""
     buf = torch.zeros(plan_size, dtype=torch.long)
     seq = 0
     while True:
-        coll.broadcast(buf, 0, "world")
+        coll.broadcast(buf, src, "world")
         magic, op, got, n, *a = buf[:HDR].tolist()
         if magic != MAGIC or got != seq or not 0 <= n <= buf.numel() - HDR:
             raise PlanError(f"bad plan header {buf[:HDR].tolist()} (expected sequence {seq})")
@@ -297,9 +300,10 @@ def follow(local, coll, plan_size: int = 2048) -> int:
             local.forward(*unpack_forward(a, body))
             coll.end_step()
         elif op == OP_DSPARK:
-            coll.begin_step()
-            local.dspark(*unpack_dspark(a, body))
-            coll.end_step()
+            if drafts:
+                coll.begin_step()
+                local.dspark(*unpack_dspark(a, body))
+                coll.end_step()
         elif op == OP_ROUND:
             coll.begin_step()
             local.decode_round(unpack_round(a, body))
@@ -550,11 +554,12 @@ def main(argv=None) -> int:
     ops.set_backend(settings.ops_backend)
     if settings.numerics:
         ops.set_numerics(settings.numerics)
-    lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s)
+    lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s,
+                                 settings.pipeline_parallel)
     rank = lay.rank
     t0 = time.monotonic()
     if lay.world > 1:
-        model = load_sharded_model(settings.checkpoint_dir, lay, coll)
+        model = load_sharded_model(settings.checkpoint_dir, lay, coll, settings.sequence_parallel)
     else:
         from v4flash_backend.model.loading import load_model
 
@@ -563,8 +568,21 @@ def main(argv=None) -> int:
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
     pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
-    if rank != 0:
-        follow(local, coll, settings.plan_size)
+    if lay.pipeline > 1:
+        lo, hi = lay.stage_layers(model.cfg)
+        _log(rank, f"pipeline stage {lay.stage}/{lay.pipeline}: layers {lo}..{hi - 1}, in-stage rank "
+                   f"{lay.srank}/{lay.stage_world}, driver rank {lay.driver}")
+    if settings.sequence_parallel:
+        from v4flash_backend.parallel.layout import SP_MIN_ROWS_PER_RANK
+
+        lo, hi = lay.stage_layers(model.cfg)
+        G = lay.group_size
+        state = (f"on for forwards of >= {SP_MIN_ROWS_PER_RANK * G} rows in layers {lo}..{hi - 1} (attention group "
+                 f"of {G}: wo_b / MoE reduce-scatter, all-gathers before attention, MoE and the stage's end)"
+                 if G > 1 else f"off: attention group of 1 rank (layers {lo}..{hi - 1})")
+        _log(rank, f"sequence parallel {state}")
+    if rank != lay.driver:
+        follow(local, coll, settings.plan_size, lay.driver, lay.is_last_stage)
         _log(rank, "stop")
         code = 0
     else:
@@ -616,6 +634,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
 
     stop = threading.Event()
     info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
+            "pipeline_parallel": lay.pipeline, "driver_rank": lay.driver,
             "decode_graph": getattr(local, "decode_graph", "eager"),
             "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len}
 
@@ -624,7 +643,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s)
+    plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s, lay.driver)
     engine = Engine(plan, settings)
 
     def extra():
@@ -639,7 +658,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
         with open(tmp, "w") as f:
             json.dump(dict(host=host, port=port, **info), f)
         os.replace(tmp, args.port_file)
-    _log(0, f"serving on {host}:{port}")
+    _log(lay.rank, f"serving on {host}:{port}")
     code = 0
     try:
         serve(engine, plan, stop)
