@@ -85,7 +85,8 @@ def _rank_main(out_path: str) -> None:
 
     torch.set_num_threads(1)
     lay, coll = init_distributed(timeout_s=300)
-    m = load_sharded_model(GOLDEN, lay, coll, os.environ.get("V4FLASH_TEST_SP") == "1")
+    ckpt = os.environ.get("V4FLASH_TEST_CKPT", str(GOLDEN))
+    m = load_sharded_model(ckpt, lay, coll, os.environ.get("V4FLASH_TEST_SP") == "1")
     res = _checks(m, coll, json.loads(os.environ["V4FLASH_TEST_CASES"]))
     if lay.rank == lay.driver:  # rank 0, or the last pipeline stage's first rank (it has the logits)
         torch.save(res, out_path)

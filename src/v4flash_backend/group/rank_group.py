@@ -70,6 +70,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
+                 master_port: int, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None) -> list[str]:
+    """The torchrun command of one node of a rank group (`launch` runs the single-node one; a
+    multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
+    last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
+    port_file."""
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
+           "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
+           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
+           "--host", host, "--port", str(port)]
+    return cmd + (["--port-file", port_file] if port_file else [])
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -158,10 +171,8 @@ class RankGroup:
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
-        cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node or settings.world_size),
-               "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker",
-               "--settings-json", settings.to_json(), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file]
+        cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
+                           "127.0.0.1", 0, port_file)
         e = dict(os.environ)
         if PACKAGE_DIR.parent.name not in ("site-packages", "dist-packages"):
             # a source checkout (<repo>/src): make the workers import this copy. An installed package
