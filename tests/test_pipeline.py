@@ -349,15 +349,17 @@ def test_two_nodes_on_loopback_serve_what_w1_serves(tmp_path, tiny_model):
 def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
     """tritonserver (scripts/serve.sh) whose v4flash model connects with rank_group_address to the
     two-node group: the streamed text of v4flash (text_input) and of the v4flash_text ensemble
-    equals the W = 1 engine's greedy continuation of the same tokenized prompt."""
+    equals the W = 1 engine's greedy continuation of the same tokenized prompt. The group runs
+    pipeline_micro_batches 2 (a prompt and its concurrent warm-up-free requests split per step)."""
     from _triton import free_ports, wait_ready
     from _triton import stop as stop_server
-    from test_triton_e2e import N, PROMPT_TEXT, _build_repository, _grpc, _set_param
+    from test_triton_e2e import N, PROMPT_TEXT, _build_repository, _concurrently, _grpc, _set_param
     from tokenizers import Tokenizer
 
     if not (REPO / ".triton/backends/python/triton_python_backend_stub").exists():
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
-    procs, address, _ = start_two_nodes(tmp_path, _settings())
+    # two micro-batches per forward of several sequences: stage 0 runs the second while stage 1 the first
+    procs, address, _ = start_two_nodes(tmp_path, _settings(pipeline_micro_batches=2))
     proc = None
     try:
         repo = _build_repository(tmp_path)
@@ -376,14 +378,44 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
         tok = Tokenizer.from_file(str(GOLDEN / "tokenizer.json"))
         ids = tok.encode(PROMPT_TEXT, add_special_tokens=True).ids
         want = _alone(tiny_model, ids, N)
-        for model in ("v4flash", "v4flash_text"):
-            chunks = _grpc(server, model=model, prompt=PROMPT_TEXT, max_tokens=N)
+        both = _concurrently(*[lambda m=m: _grpc(server, model=m, prompt=PROMPT_TEXT, max_tokens=N)
+                               for m in ("v4flash", "v4flash_text")])
+        for model, chunks in zip(("v4flash", "v4flash_text"), both):
             assert len(chunks) > 1  # streamed
             assert [t for c in chunks for t in c.output_ids] == want, model
             assert "".join(c.text for c in chunks) == tok.decode(want), model
+        from v4flash_backend.group.rank_group import RankGroup
+
+        probe = RankGroup.connect(address, timeout_s=30)
+        assert probe.stats(timeout=10)["micro_batched"] > 0  # steps of both requests ran split
+        probe.close()
         assert f"connected to the rank group at {address}" in log_path.read_text()
     finally:
         if proc is not None:
             stop_server(proc, 60)  # the v4flash model's finalize shuts the group down
         codes = stop_nodes(procs, 60)
     assert codes == [0, 0]
+
+
+def test_micro_batches_reassemble_one_forward(tiny_model):
+    """MicroBatchRunner (pipeline_micro_batches): a 3-sequence forward run as 2 micro-batches of
+    whole segments gives the logits, hidden rows and taps of the single forward, bit for bit under
+    exact numerics (rows of different sequences do not interact), for every logits_rows form."""
+    from v4flash_backend import ops
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.group.worker import MicroBatchRunner
+
+    assert MicroBatchRunner.split([(0, 0, 5), (1, 0, 1), (2, 0, 1)], 2) == [[(0, 0, 5)], [(1, 0, 1), (2, 0, 1)]]
+    assert MicroBatchRunner.split([(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)], 2) == [[(0, 0, 1), (1, 0, 1)],
+                                                                                      [(2, 0, 1), (3, 0, 1)]]
+    ops.set_numerics("exact")
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(3, 1000, (9,), generator=g)
+    spec = [(0, 0, 4), (1, 0, 3), (2, 0, 2)]
+    for rows in ("last", "all", torch.tensor([8, 0, 4, 5])):
+        one = LocalRunner(tiny_model, 3, 32).forward(tok, spec, rows, True)
+        mb = MicroBatchRunner(LocalRunner(tiny_model, 3, 32), 2)
+        two = mb.forward(tok, spec, rows, True)
+        assert mb.micro_batched == 1
+        assert torch.equal(one.logits, two.logits) and torch.equal(one.final_hidden, two.final_hidden)
+        assert torch.equal(one.taps, two.taps) and torch.equal(mb.local.last_taps, one.taps)

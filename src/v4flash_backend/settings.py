@@ -68,6 +68,10 @@ class Settings:
     pipeline_parallel: int = setting(
         1, "pipeline stages: world_size / pipeline_parallel consecutive ranks per stage (one node each "
         "across nodes), the layers split into contiguous stages; eager decode only", scope="group", low=1)
+    pipeline_micro_batches: int = setting(
+        1, "with pipeline_parallel > 1: a forward of several sequences runs as this many micro-batches so "
+        "stages overlap inside a step (see the README's pipeline section for the measured effect)",
+        scope="group", low=1)
     sequence_parallel: bool = setting(
         False, "prefill chunks of at least as many rows as the attention group split their rows across "
         "it for per-token work (wo_b reduce-scatter, all-gathers before attention, MoE and a stage send)",
