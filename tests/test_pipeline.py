@@ -13,7 +13,6 @@ token sequences must equal the in-process W = 1 engine's exactly.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -156,7 +155,6 @@ def _run_stages(W, tmp, **env):
 
 def _w1(ckpt):
     from test_parallel import _checks
-
     from v4flash_backend.model.loading import load_model
     from v4flash_backend.parallel.collectives import Collectives
 
@@ -224,7 +222,7 @@ def test_sequence_parallel_changes_the_collectives_and_sends_full_rows(stages_2x
     left are the indexer's; the 2-row decode step stays off. The boundary carries all 53 rows."""
     runs, _ = stages_2x2
     cfg = _cfg()
-    (plain, p0), (sp, s0) = runs["0"], runs["1"]
+    (plain, _), (sp, s0) = runs["0"], runs["1"]
     n0, n1 = 6, 4  # layers of stage 0 and 1
     assert _counts(s0, "batched_prefill")[("attn", "reduce_scatter")] == 2 * n0
     assert _counts(sp, "batched_prefill")[("attn", "reduce_scatter")] == 2 * n1
@@ -351,10 +349,11 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
     two-node group: the streamed text of v4flash (text_input) and of the v4flash_text ensemble
     equals the W = 1 engine's greedy continuation of the same tokenized prompt. The group runs
     pipeline_micro_batches 2 (a prompt and its concurrent warm-up-free requests split per step)."""
+    from tokenizers import Tokenizer
+
     from _triton import free_ports, wait_ready
     from _triton import stop as stop_server
-    from test_triton_e2e import N, PROMPT_TEXT, _build_repository, _concurrently, _grpc, _set_param
-    from tokenizers import Tokenizer
+    from test_triton_e2e import PROMPT_TEXT, N, _build_repository, _concurrently, _grpc, _set_param
 
     if not (REPO / ".triton/backends/python/triton_python_backend_stub").exists():
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
@@ -419,3 +418,26 @@ def test_micro_batches_reassemble_one_forward(tiny_model):
         assert mb.micro_batched == 1
         assert torch.equal(one.logits, two.logits) and torch.equal(one.final_hidden, two.final_hidden)
         assert torch.equal(one.taps, two.taps) and torch.equal(mb.local.last_taps, one.taps)
+
+
+@pytest.mark.slow
+def test_rank_group_with_sequence_parallel_serves_what_w1_serves(tiny_model):
+    """The served path with sequence_parallel at W = 2 (one stage, an attention group of 2):
+    prompts of >= 8 tokens prefill sequence-parallel (the driver's counters show the
+    reduce-scatters and all-gathers, the worker logs it at start), and greedy outputs equal the
+    in-process W = 1 engine."""
+    from v4flash_backend.group.rank_group import RankGroup
+
+    g = RankGroup.launch(_settings(pipeline_parallel=1, sequence_parallel=True))
+    try:
+        specs = [(30, 6, 4), (12, 5, 5)]
+        streams = [g.submit(_prompt(n, s), {"max_tokens": k, "ignore_eos": True}) for n, k, s in specs]
+        for st, (n, k, s) in zip(streams, specs):
+            res = st.result(timeout=180)
+            assert res["error"] is None and res["token_ids"] == _alone(tiny_model, _prompt(n, s), k)
+        tot = g.stats(timeout=10)["collectives_total"]
+        assert tot["attn.reduce_scatter"]["calls"] > 0 and tot["attn.sp_all_gather"]["calls"] > 0
+        log = Path(g.log_path).read_text()
+        assert "sequence parallel on for forwards of >= 8 rows in layers 0..9" in log
+    finally:
+        g.shutdown(timeout=30)

@@ -1,7 +1,8 @@
 """The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
 
-Every rank loads its shard (`parallel`) and a runner: `LocalRunner` (decode_graph eager) or the
-static round graphs' `trn2.neuron.StaticRunner` (decode_graph static; `build_runner`). Rank 0 owns the request queue, the
+Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
+`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
+(decode_graph static; `build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
 > 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
@@ -43,8 +44,12 @@ the connection that submitted it and is cancelled if that connection closes.
     {"event":"error","code":"INVALID_ARG","message":..,"tag":T} (with the id when it has one).
   Every request ends with exactly one final message: a chunk with a finish_reason, or an error.
 
-Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`) with
-`--host <reachable address of rank 0> --port P`, then point the client at that address.
+Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`,
+`rank_group.node_command`) with `--host <reachable address of the driver> --port P`, then point the
+client at that address. With `--pipeline-parallel P` the stages are consecutive blocks of W / P ranks
+(a node each) and the driver (engine, sampling, socket server, plan broadcasts) is the last stage's
+first rank, where the logits are: plans go out from it, boundary payloads go stage to stage
+(`parallel.pipeline`), and ranks of earlier stages skip DSpark plans.
 """
 
 from __future__ import annotations

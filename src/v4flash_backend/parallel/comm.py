@@ -67,7 +67,7 @@ class DistComm:
     def sp_full(self, x):
         if getattr(self, "_sp", None) is None:
             return x
-        bounds, g = self._sp
+        bounds = self._sp[0]
         c = self._sp_pad()
         pad = x.new_zeros((c,) + tuple(x.shape[1:]))
         pad[: x.shape[0]] = x

@@ -264,9 +264,7 @@ def sp_lines(cfg: ModelConfig, world: int, pipeline: int, sequence_parallel: boo
     """Per layer, whether sequence parallelism is active for a prefill chunk of `prefill_chunk`
     rows (`parallel.comm.DistComm.sp_begin`: on when set, the attention group has G > 1 ranks and
     the chunk at least SP_MIN_ROWS_PER_RANK * G rows; decode steps have fewer and stay off)."""
-    from .layout import stage_cuts
-
-    from .layout import SP_MIN_ROWS_PER_RANK
+    from .layout import SP_MIN_ROWS_PER_RANK, stage_cuts
 
     cuts = stage_cuts(cfg, pipeline)
     G = Layout(0, world, pipeline=pipeline).group_size
