@@ -9,6 +9,10 @@ pipeline_parallel 2, one rank per stage, eager decode, spec_mode off so every st
 forward of `batch` sequences), in an order that rotates every round, and runs the same prompts in
 groups of `batch` concurrent greedy requests. A setting's figure per round is generated tokens
 over wall time (launch excluded); the report is the median over rounds and the spread (min-max).
+Before the groups it times, in this process (W = 1, one thread), a decode forward of `batch` rows
+and of batch / 2 rows (median of 30 after warm-up): a stage's step takes t(B) unsplit and 3 halves
+of t(B/2) split across 2 stages, so splitting can only pay when t(B/2) < 2/3 t(B):
+    cost: rows=<B> t_full_ms=<a> rows=<B/2> t_half_ms=<b> half_vs_full=<b/a> (split pays below 0.667)
 It ends with
     pipeline: stages=2 batch=<B> mb1_tok_s=<x> mb2_tok_s=<y> mb2_vs_mb1=<y/x>
 """
@@ -52,6 +56,29 @@ def run(settings: Settings, ps, batch: int, max_tokens: int) -> float:
         g.shutdown(timeout=60)
 
 
+def forward_cost(ckpt: str, batch: int, reps: int = 30) -> tuple[float, float]:
+    """Median ms of a decode forward of `batch` and of batch // 2 sequences (W = 1, in process)."""
+    from v4flash_backend import ops
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.model.loading import load_model
+
+    torch.set_num_threads(1)
+    ops.set_numerics("exact")
+    m = load_model(ckpt)
+    out = []
+    for rows in (batch, batch // 2):
+        r = LocalRunner(m, rows, 128)
+        spec = [(s, 0, 16) for s in range(rows)]
+        r.forward(torch.randint(3, 1000, (16 * rows,)), spec, "last", False)  # prefill 16 positions
+        ts = []
+        for k in range(reps + 3):
+            t0 = time.perf_counter()
+            r.forward(torch.randint(3, 1000, (rows,)), [(s, 16 + k, 1) for s in range(rows)], "last", False)
+            ts.append(time.perf_counter() - t0)
+        out.append(1000 * statistics.median(ts[3:]))
+    return out[0], out[1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(REPO.parent / "shared" / "golden" / "v41-tiny"))
@@ -62,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", default="1,2")
     args = ap.parse_args(argv)
     micro = [int(x) for x in args.micro.split(",")]
+    full, half = forward_cost(args.checkpoint, args.batch)
+    print(f"cost: rows={args.batch} t_full_ms={full:.1f} rows={args.batch // 2} t_half_ms={half:.1f} "
+          f"half_vs_full={half / full:.3f} (split pays below 0.667)", flush=True)
     ps = prompts(args.prompts)
     res = {m: [] for m in micro}
     for r in range(args.rounds):

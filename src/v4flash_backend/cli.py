@@ -37,7 +37,7 @@ def cmd_golden(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    if args.world_size is not None or args.address or args.decode_graph or args.step_report:
+    if args.world_size is not None or args.address or args.decode_graph or args.step_report or args.pipeline_parallel:
         from v4flash_backend.group import rank_group
 
         return rank_group.generate_via_group(args)

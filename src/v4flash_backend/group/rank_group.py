@@ -441,6 +441,10 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--graph-backend", default=None,
                         help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
     parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
+    parser.add_argument("--pipeline-parallel", type=int, default=None,
+                        help="pipeline stages of the rank group (world-size / P ranks each; eager decode)")
+    parser.add_argument("--sequence-parallel", action="store_true", default=None,
+                        help="sequence-parallel prefill inside each stage of the rank group")
     parser.add_argument("--sps-path", default=None,
                         help="DSpark SPS table: loaded if present, else profiled and saved (default: a cache file "
                              "per checkpoint under ~/.cache/v4flash, so seeded sampled runs agree across W and "
@@ -477,6 +481,8 @@ def generate_via_group(args) -> int:
         extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
                                    ("graph_backend", getattr(args, "graph_backend", None)),
                                    ("spec_mode", getattr(args, "spec_mode", None)),
+                                   ("pipeline_parallel", getattr(args, "pipeline_parallel", None)),
+                                   ("sequence_parallel", getattr(args, "sequence_parallel", None)),
                                    ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
         settings = Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
                             ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,

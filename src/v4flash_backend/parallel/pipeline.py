@@ -17,7 +17,9 @@ rank with the same in-stage index) in stage s + 1 (`torch.distributed.send` / `r
 latency to every decode step, while the peer sends run concurrently on separate links; the cost
 is S times the bytes across the boundary (`boundary_bytes`), which matters for long prefill
 chunks and is the place to switch to 1/S slices plus an in-stage all-gather. The bytes are
-reinterpreted, never converted, so the transfer is bit-exact.
+reinterpreted, never converted, so the transfer is bit-exact. A 16-byte header (rows, taps) leads
+the message: gloo fills a larger receive buffer from a shorter message without complaint, so a
+sender handing over a shard must fail on the header check, not feed garbage to the next stage.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ def taps_before(cfg: ModelConfig, layer: int) -> int:
     return sum(1 for t in cfg.dspark_target_layer_ids if t < layer)
 
 
+HEADER = 16  # int64 (rows, taps) in front of the payload: a message of a shard cannot pass as full rows
+
+
 def payload_bytes(cfg: ModelConfig, T: int, n_taps: int) -> int:
     """Bytes of one boundary message for T rows with n_taps taps."""
-    return T * (cfg.hc_mult * cfg.dim * 2 + cfg.hc_mult * 4 + n_taps * cfg.dim * 2)
+    return HEADER + T * (cfg.hc_mult * cfg.dim * 2 + cfg.hc_mult * 4 + n_taps * cfg.dim * 2)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +49,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_boundary(h: torch.Tensor, pre_mix: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
-    parts = [_bytes(h.to(torch.bfloat16)), _bytes(pre_mix.to(torch.float32))]
+    n_taps = 0 if taps is None else taps.shape[-1] // h.shape[-1]
+    head = torch.tensor([h.shape[0], n_taps], dtype=torch.int64)
+    parts = [_bytes(head), _bytes(h.to(torch.bfloat16)), _bytes(pre_mix.to(torch.float32))]
     if taps is not None:
         parts.append(_bytes(taps.to(torch.bfloat16)))
     return torch.cat(parts)
@@ -53,9 +60,11 @@ def pack_boundary(h: torch.Tensor, pre_mix: torch.Tensor, taps: torch.Tensor | N
 def unpack_boundary(buf: torch.Tensor, cfg: ModelConfig, T: int, n_taps: int):
     hc, D = cfg.hc_mult, cfg.dim
     nh, npm = T * hc * D * 2, T * hc * 4
-    if buf.numel() != payload_bytes(cfg, T, n_taps):
-        raise ValueError(f"boundary payload of {buf.numel()} bytes, expected {payload_bytes(cfg, T, n_taps)} "
-                         f"for {T} full rows and {n_taps} taps")
+    got = buf[:HEADER].clone().view(torch.int64).tolist() if buf.numel() >= HEADER else None
+    if buf.numel() != payload_bytes(cfg, T, n_taps) or got != [T, n_taps]:
+        raise ValueError(f"boundary payload of {buf.numel()} bytes with header {got}, expected "
+                         f"{payload_bytes(cfg, T, n_taps)} bytes for {T} full rows and {n_taps} taps")
+    buf = buf[HEADER:]
     h = buf[:nh].clone().view(torch.bfloat16).view(T, hc, D)
     pre_mix = buf[nh:nh + npm].clone().view(torch.float32).view(T, hc)
     taps = buf[nh + npm:].clone().view(torch.bfloat16).view(T, n_taps * D) if n_taps else None

@@ -180,10 +180,18 @@ def all_rank_bytes(cfg: ModelConfig, world: int, specs=None, pipeline: int = 1) 
             rest.append((name, shape, st))
             continue
         per_expert[key[0]][key[1]] += math.prod(shape) * _ITEM[st]
+    # the rule of a tensor depends on the rank only through its stage and attention-group rank,
+    # except the vocab-parallel and Engram-row tensors: sum the rest once per (stage, group rank)
+    per_rank = [t for t in rest if t[0] in ("embed.weight", "head.weight") or ".engram.embed." in t[0]]
+    per_group = [t for t in rest if not (t[0] in ("embed.weight", "head.weight") or ".engram.embed." in t[0])]
+    groups: dict = {}
     out = []
     for r in range(world):
         lay = Layout(r, world, pipeline=pipeline)
-        b = rank_bytes(cfg, lay, rest)
+        key = (lay.stage, lay.group_rank)
+        if key not in groups:
+            groups[key] = rank_bytes(cfg, lay, per_group)
+        b = {c: groups[key][c] + v for c, v in rank_bytes(cfg, lay, per_rank).items()}
         for prefix, sizes in per_expert.items():
             top, idx = prefix.split(".")[:2]
             if lay.holds_layer(cfg, top, int(idx)):
@@ -344,7 +352,7 @@ def _pipeline_report(cfg, world, max_model_len, max_num_seqs, label, P, sequence
     """The report of `pipeline` P > 1 stages: each rank's weights and caches of its stage alone, the
     in-stage collectives of each stage, and the point-to-point bytes of the boundaries."""
     from .layout import stage_cuts
-    from .pipeline import boundary_bytes, payload_bytes, taps_before
+    from .pipeline import HEADER, boundary_bytes, payload_bytes, taps_before
 
     specs = tensor_specs(cfg)
     cuts = stage_cuts(cfg, P)
@@ -383,11 +391,12 @@ def _pipeline_report(cfg, world, max_model_len, max_num_seqs, label, P, sequence
                      f"send {step.get(('pp', 'boundary_send'), 0)}")
     dec = boundary_bytes(cfg, world, P, R)
     pre = boundary_bytes(cfg, world, P, prefill_chunk)
-    one = payload_bytes(cfg, 1, taps_before(cfg, cuts[1]))
+    one = payload_bytes(cfg, 1, taps_before(cfg, cuts[1])) - HEADER
     lines += [
         f"point-to-point per boundary message: full mHC streams {cfg.hc_mult}x{cfg.dim} bf16 + pre-mix "
         f"{cfg.hc_mult} f32 + DSpark taps so far ({', '.join(str(taps_before(cfg, c)) for c in cuts[1:-1])} at the "
-        f"boundaries) = {one} bytes per row, from each of the {S} ranks of a stage to its peer",
+        f"boundaries) = {one} bytes per row plus a {HEADER}-byte header per message, from each of the {S} ranks "
+        f"of a stage to its peer",
         f"pipeline: stages={P} p2p_bytes_per_step={sum(dec)} (decode, {R} rows: "
         f"{' + '.join(str(b) for b in dec)} over {P - 1} boundar{'y' if P == 2 else 'ies'}) "
         f"p2p_bytes_per_prefill_chunk={sum(pre)} ({prefill_chunk} rows)",
