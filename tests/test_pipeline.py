@@ -443,3 +443,26 @@ def test_rank_group_with_sequence_parallel_serves_what_w1_serves(tiny_model):
         assert "sequence parallel on for forwards of >= 8 rows in layers 0..9" in log
     finally:
         g.shutdown(timeout=30)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_two_attention_groups_in_a_stage(tmp_path):
+    """W = 4 in one stage with attention groups of 2 (V4FLASH_ATTN_GROUP=2, the shape of a 64-rank
+    stage's 8 groups of 8): SP splits rows within each group; the MoE carry, reduced over the whole
+    stage, is all-reduced and sliced (not reduce-scattered: the group is not the stage). Exact
+    numerics: bit-identical to W = 1 (the fp32 carry sums per-expert bf16 outputs, exact here as
+    at W = 4 without SP)."""
+    from test_parallel import torchrun
+
+    out = tmp_path / "res.pt"
+    r = torchrun(4, [str(REPO / "tests" / "test_parallel.py"), "--rank-main", str(out)],
+                 env={"V4FLASH_TEST_CASES": "[]", "V4FLASH_TEST_SP": "1", "V4FLASH_ATTN_GROUP": "2"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    res, w1 = torch.load(out), _w1(GOLDEN)
+    for k in EXACT:
+        assert torch.equal(res[k], w1[k]), k
+    got = _counts(res, "batched_prefill")
+    cfg = _cfg()
+    assert got[("attn", "reduce_scatter")] == cfg.n_layers  # wo_b only
+    assert got[("world", "all_reduce")] == 1 + cfg.n_layers + len(cfg.engram_layer_ids)  # embed, MoE, Engram
+    assert got[("attn", "sp_all_gather")] == 2 * cfg.n_layers + 3
