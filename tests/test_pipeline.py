@@ -262,9 +262,10 @@ def _settings(**kw):
     from v4flash_backend.settings import Settings
 
     # 'fixed' speculation drafts every step (the DSpark plans run on the last stage) without profiling
-    base = dict(checkpoint_dir=str(GOLDEN), world_size=2, pipeline_parallel=2, decode_graph="eager",
-                max_num_seqs=3, max_model_len=128, spec_mode="fixed", heartbeat_s=1.0, collective_timeout_s=20.0)
-    return Settings(**dict(base, **kw))
+    base = {"checkpoint_dir": str(GOLDEN), "world_size": 2, "pipeline_parallel": 2, "decode_graph": "eager",
+            "max_num_seqs": 3, "max_model_len": 128, "spec_mode": "fixed", "heartbeat_s": 1.0,
+            "collective_timeout_s": 20.0}
+    return Settings(**{**base, **kw})
 
 
 def start_two_nodes(tmp: Path, settings, nproc_per_node: int = 1):
@@ -279,9 +280,8 @@ def start_two_nodes(tmp: Path, settings, nproc_per_node: int = 1):
     for node in (0, 1):
         cmd = node_command(settings, sys.executable, nproc_per_node, 2, node, "127.0.0.1", master,
                            port_file=port_file)
-        log = open(tmp / f"node{node}.log", "wb")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        log.close()
+        with open(tmp / f"node{node}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     deadline = time.monotonic() + 300
     while not os.path.exists(port_file):
         for k, p in enumerate(procs):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -62,7 +63,7 @@ class DistComm:
 
     def _sp_pad(self) -> int:
         bounds = self._sp[0]
-        return max(b - a for a, b in zip(bounds, bounds[1:]))
+        return max(b - a for a, b in pairwise(bounds))
 
     def sp_full(self, x):
         if getattr(self, "_sp", None) is None:
@@ -72,7 +73,7 @@ class DistComm:
         pad = x.new_zeros((c,) + tuple(x.shape[1:]))
         pad[: x.shape[0]] = x
         parts = self.coll.all_gather(pad, "attn", "sp_all_gather")
-        return torch.cat([p[: b - a] for p, a, b in zip(parts, bounds, bounds[1:])])
+        return torch.cat([p[: b - a] for p, (a, b) in zip(parts, pairwise(bounds))])
 
     def sp_local(self, x):
         if getattr(self, "_sp", None) is None:
