@@ -466,3 +466,20 @@ def test_sequence_parallel_with_two_attention_groups_in_a_stage(tmp_path):
     assert got[("attn", "reduce_scatter")] == cfg.n_layers  # wo_b only
     assert got[("world", "all_reduce")] == 1 + cfg.n_layers + len(cfg.engram_layer_ids)  # embed, MoE, Engram
     assert got[("attn", "sp_all_gather")] == 2 * cfg.n_layers + 3
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stage_keeps_only_its_caches(stage):
+    """trim_state (what the worker applies at P > 1) leaves the bytes placement.cache_bytes counts
+    for the stage (the served two-node and Triton tests run their stages on trimmed states)."""
+    from test_placement import _state_bytes
+
+    from v4flash_backend.model.state import ModelState
+
+    cfg = _cfg()
+    cuts = L.stage_cuts(cfg, 2)
+    lo, hi = cuts[stage], cuts[stage + 1]
+    st = pp.trim_state(ModelState(cfg, 3, 100), lo, hi, stage == 1)
+    assert _state_bytes(st) == placement.cache_bytes(cfg, 3, 100, layers=(lo, hi), dspark=stage == 1)
+    assert _state_bytes(st) < _state_bytes(ModelState(cfg, 3, 100))
+    assert set(st.window) == set(range(lo, hi)) and bool(st.dspark) == (stage == 1)

@@ -634,6 +634,10 @@ def main(argv=None) -> int:
 
         model = load_model(settings.checkpoint_dir)
     local = build_runner(model, settings, rank)
+    if lay.pipeline > 1:  # the stage's caches only (eager runner: its ModelState is plain per-layer dicts)
+        from v4flash_backend.parallel.pipeline import trim_state
+
+        trim_state(local.state, *lay.stage_layers(model.cfg), lay.is_last_stage)
     if lay.pipeline > 1 and settings.pipeline_micro_batches > 1:
         local = MicroBatchRunner(local, settings.pipeline_micro_batches)
     # every rank's pid (for health reports); also the barrier after which all ranks are ready

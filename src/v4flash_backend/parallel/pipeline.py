@@ -97,3 +97,16 @@ def gather_stage_objects(obj, lay: Layout) -> list:
     objs = [None] * lay.world
     dist.all_gather_object(objs, obj)
     return [objs[s * lay.stage_world] for s in range(lay.pipeline)]
+
+
+def trim_state(state, lo: int, hi: int, keep_dspark: bool):
+    """Drop the per-layer caches of a ModelState that a stage running layers [lo, hi) never reads
+    (window rings, compressed KV, index keys and pending rows of other layers; the DSpark rings
+    unless `keep_dspark`): a stage holds the caches of its own layers, as `placement.cache_bytes`
+    counts them. (The valid cuts keep every KV source inside the stage that reads it.)"""
+    for d in (state.window, state.ckv, state.ik, state.pend_kv, state.pend_score, state.pend_ring):
+        for i in [i for i in d if not lo <= i < hi]:
+            del d[i]
+    if not keep_dspark:
+        state.dspark.clear()
+    return state

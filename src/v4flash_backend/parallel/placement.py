@@ -203,9 +203,8 @@ def all_rank_bytes(cfg: ModelConfig, world: int, specs=None, pipeline: int = 1) 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8, layers=None,
                 dspark: bool = True) -> int:
     """Bytes of `ModelState(cfg, num_slots, max_len, margin)` (every rank holds all of it), or of
-    the part a pipeline stage uses: backbone `layers` [lo, hi), the DSpark rings if `dspark`.
-    (The CPU ModelState still allocates every layer on every stage; a device build allocates
-    these.)"""
+    the part a pipeline stage keeps (`pipeline.trim_state`): backbone `layers` [lo, hi), the
+    DSpark rings if `dspark`."""
     lo, hi = layers or (0, cfg.n_layers)
     hd, per_slot = cfg.head_dim, 0
     per_slot += (hi - lo) * (cfg.window_size + margin) * hd * 2
