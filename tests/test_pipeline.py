@@ -473,7 +473,6 @@ def test_a_stage_keeps_only_its_caches(stage):
     """trim_state (what the worker applies at P > 1) leaves the bytes placement.cache_bytes counts
     for the stage (the served two-node and Triton tests run their stages on trimmed states)."""
     from test_placement import _state_bytes
-
     from v4flash_backend.model.state import ModelState
 
     cfg = _cfg()
