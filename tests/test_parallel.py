@@ -64,10 +64,13 @@ def _checks(m, coll, cases) -> dict:
         coll.begin_step()
         out = m.forward(st, tok, make_segments(spec), rows, taps)
         res[f"counts.{name}"] = dict(coll.end_step())
+        res[f"sp_forwards.{name}"] = getattr(coll, "sp_forwards", 0)
         res[f"exact.{name}"] = out.logits
         res[f"spec.{name}"] = spec
         if taps:
             res[f"taps.{name}"] = out.taps
+    if not getattr(m, "is_last_stage", True):  # an earlier pipeline stage: the drafter is on the last
+        return res
     dr = DSparkDrafter(m)
     dr.write_ring(st, 2, dr.main_x(res["taps.batched_prefill"][:33]), torch.arange(33))
     coll.begin_step()
@@ -82,10 +85,13 @@ def _rank_main(out_path: str) -> None:
 
     torch.set_num_threads(1)
     lay, coll = init_distributed(timeout_s=300)
-    m = load_sharded_model(GOLDEN, lay, coll)
+    ckpt = os.environ.get("V4FLASH_TEST_CKPT", str(GOLDEN))
+    m = load_sharded_model(ckpt, lay, coll, os.environ.get("V4FLASH_TEST_SP") == "1")
     res = _checks(m, coll, json.loads(os.environ["V4FLASH_TEST_CASES"]))
-    if lay.rank == 0:
+    if lay.rank == lay.driver:  # rank 0, or the last pipeline stage's first rank (it has the logits)
         torch.save(res, out_path)
+    elif lay.srank == 0:  # the first rank of an earlier stage: its counters, for the pipeline tests
+        torch.save(res, f"{out_path}.stage{lay.stage}")
     # tear the group down before interpreter exit: gloo's threads otherwise can abort a rank
     # ("terminate called without an active exception") while the process unwinds
     import torch.distributed as dist

@@ -35,7 +35,8 @@ def _sample(f):
 def test_every_setting_is_a_config_pbtxt_parameter(name):
     f = next(f for f in fields(Settings) if f.name == name)
     value, text = _sample(f)
-    extra = {"collective_timeout_s": "1000"} if name == "heartbeat_s" else {}
+    extra = {"heartbeat_s": {"collective_timeout_s": "1000"},
+             "pipeline_parallel": {"world_size": "12"}}.get(name, {})  # world_size a multiple of it
     s, unknown = Settings.from_params({name: text, **extra})
     assert getattr(s, name) == value and unknown == {}
 
@@ -50,7 +51,10 @@ def test_bad_values_are_named():
                           ({"prefill_chunk": "x"}, "'prefill_chunk' must be an integer"),
                           ({"spec_mode": "greedy"}, "'spec_mode' must be one of dspark, fixed, off"),
                           ({"heartbeat_s": "40"}, "'heartbeat_s' must be below half of collective_timeout_s"),
-                          ({"startup_timeout_s": "-1"}, "'startup_timeout_s' must be > 0")]:
+                          ({"startup_timeout_s": "-1"}, "'startup_timeout_s' must be > 0"),
+                          ({"world_size": "4", "pipeline_parallel": "3"}, "must be a multiple of pipeline_parallel"),
+                          ({"world_size": "2", "pipeline_parallel": "2", "decode_graph": "static"},
+                           "runs the eager decode path")]:
         with pytest.raises(ValueError, match=match):
             Settings.from_params(params)
     with pytest.raises(ValueError, match="unknown setting"):

@@ -17,7 +17,8 @@ def cmd_golden(args) -> int:
     from v4flash_backend.checks.golden import golden_check
     from v4flash_backend.parallel.collectives import is_rank0
 
-    ok, final, rep = golden_check(args.fixture, args.ops, args.numerics)
+    ok, final, rep = golden_check(args.fixture, args.ops, args.numerics, args.pipeline_parallel,
+                                  args.sequence_parallel)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # under torchrun: leave the group cleanly
@@ -41,7 +42,7 @@ def cmd_generate(args) -> int:
     seed give the same ids at every W and decode_graph."""
     from v4flash_backend.group import rank_group
 
-    if args.world_size is not None or args.address:
+    if args.world_size is not None or args.address or args.pipeline_parallel:
         return rank_group.generate_via_group(args)
     return generate_in_process(args)
 
@@ -103,6 +104,10 @@ def main(argv=None) -> int:
     g.add_argument("--numerics", default="reference", choices=["reference", "exact"],
                    help="reference: the reference's accumulation order, strict per-layer criteria (default); "
                         "exact: fp64 accumulation (the serving default), loose per-layer criteria")
+    g.add_argument("--pipeline-parallel", type=int, default=None,
+                   help="pipeline stages under torchrun (WORLD_SIZE / P ranks each; default $V4FLASH_PIPELINE or 1)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence-parallel prefill inside each stage (under torchrun)")
     g.add_argument("-v", "--verbose", action="store_true", help="print every passing check too")
     g.set_defaults(fn=cmd_golden)
     gen = sub.add_parser("generate", help="greedy or sampled generation (in this process, or a rank group)")

@@ -65,6 +65,17 @@ class Settings:
         0.5, "seconds between refreshes of the KV-slot gauge", scope="serving", positive=True)
     # ---- group: every rank ---------------------------------------------------------------------
     world_size: int = setting(1, "ranks of the torchrun group (64 on trn2.48xlarge at LNC=2)", scope="group", low=1)
+    pipeline_parallel: int = setting(
+        1, "pipeline stages: world_size / pipeline_parallel consecutive ranks per stage (one node each "
+        "across nodes), the layers split into contiguous stages; eager decode only", scope="group", low=1)
+    pipeline_micro_batches: int = setting(
+        1, "with pipeline_parallel > 1: a forward of several sequences runs as this many micro-batches so "
+        "stages overlap inside a step (see the README's pipeline section for the measured effect)",
+        scope="group", low=1)
+    sequence_parallel: bool = setting(
+        False, "prefill chunks of at least as many rows as the attention group split their rows across "
+        "it for per-token work (wo_b reduce-scatter, all-gathers before attention, MoE and a stage send)",
+        scope="group")
     ops_backend: str = setting(
         "torch", "op backend: torch (CPU reference), nki (Neuron devices), nki-sim (NKI kernels on the "
         "CPU simulator)", scope="group", choices=OPS_BACKENDS, flags=("--ops",))
@@ -129,6 +140,12 @@ class Settings:
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
         if self.launcher == "inprocess" and self.world_size != 1:
             raise ValueError("setting 'launcher' inprocess runs one rank: set world_size to 1")
+        if self.world_size % self.pipeline_parallel:
+            raise ValueError(f"setting 'world_size' {self.world_size} must be a multiple of pipeline_parallel "
+                             f"{self.pipeline_parallel}")
+        if self.pipeline_parallel > 1 and self.decode_graph_mode == "static":
+            raise ValueError("setting 'pipeline_parallel' > 1 runs the eager decode path: set decode_graph eager "
+                             "(the static round graphs hold the whole model)")
         if not self.heartbeat_s < self.collective_timeout_s / 2:
             raise ValueError("setting 'heartbeat_s' must be below half of collective_timeout_s "
                              "(idle followers wait for it)")

@@ -93,11 +93,12 @@ class GoldenFixture:
         return {e["row"] for e in ev if e.get("label") == f"layers.{layer}.indexer" and e.get("start_pos") == 0}
 
 
-def build_model(fx: GoldenFixture) -> V41Model:
-    """W = 1 in a plain process; under torchrun each rank loads its shard (parallel layout)."""
+def build_model(fx: GoldenFixture, pipeline: int | None = None, sequence_parallel: bool = False) -> V41Model:
+    """W = 1 in a plain process; under torchrun each rank loads its shard (parallel layout), in
+    `pipeline` stages."""
     from v4flash_backend.parallel.comm import model_for_env
 
-    return model_for_env(fx.dir)
+    return model_for_env(fx.dir, pipeline, sequence_parallel)
 
 
 # ---- level 1 --------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def check_exact(fx: GoldenFixture, m: V41Model, rep: Report) -> None:
             if fx.has(pre + "index_k"):
                 ik = fx.t(pre + "index_k")
                 rep.check(torch.equal(quant.fp4_qdq(ik, 32, "ue8m0"), ik), f"{c} layer {i} index K on the fp4 grid")
-            if fx.has(pre + "gate_indices"):
+            if fx.has(pre + "gate_indices") and m.holds_layer(i):
                 w, ids_ = route(m.W, cfg, f"layers.{i}.ffn", fx.t(pre + "ffn_in"), cfg.n_activated_experts)
                 ref_ids = fx.t(pre + "gate_indices")
                 same = torch.equal(ids_.sort(-1).values, ref_ids.sort(-1).values)
@@ -141,6 +142,11 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
     last_topk = None
     for i in range(cfg.n_layers):
         L = f"{pre}layers.{i}."
+        if not m.holds_layer(i):  # another pipeline stage replays it (its topk is the reference's anyway)
+            if i in cfg.index_source_layers and fx.has(L + "topk_idxs"):
+                ref = fx.t(L + "topk_idxs")
+                last_topk = torch.where(ref >= 0, ref - S, -1).int()
+            continue
         x_in = fx.t(L + "x_in") if fx.has(L + "x_in") else fx.t(f"{pre}layers.{i - 1}.x_out")
         if i in cfg.engram_layer_ids:
             # the Engram layer itself: applied to the previous block's output (the embedded streams
@@ -214,6 +220,8 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
         rep.layers_ok += int(ok)
         rep.max_layer_err = max(rep.max_layer_err, *errs.values())
         rep.check(ok, f"{case} layer {i} replay: {notes}")
+    if not m.is_last_stage:
+        return
     # the head, teacher-forced on the last block's reference output
     L = f"{pre}layers.{cfg.n_layers - 1}."
     logits, hidden = m.head_logits(fx.t(L + "x_out"), fx.t(L + "pre_mix_out"))
@@ -230,6 +238,10 @@ def run_case(fx: GoldenFixture, m: V41Model, rep: Report, case: str) -> None:
     st = ModelState(cfg, 1, S + len(dec) + cfg.dspark_block_size + 8)
     st.reference_quirks = True  # replay the reference's decode loop exactly
     out = m.forward(st, ids, make_segments([(0, 0, S)]), logits_rows="all", want_taps=bool(cfg.dspark_block_size))
+    if not m.is_last_stage:  # an earlier pipeline stage: run the same forwards, the last one checks them
+        for k in range(len(dec)):
+            m.forward(st, dec[k:k + 1], make_segments([(0, S + k, 1)]))
+        return
     d, cos, top, n, same = logit_stats(out.logits, fx.t(f"{case}.prefill_logits"))
     rep.min_cos, rep.top1, rep.top1_total = min(rep.min_cos, cos), rep.top1 + top, rep.top1_total + n
     rep.check(cos >= E2E_MIN_COS, f"{case} prefill logits: max|d| {d:.2g} min cos {cos:.4f} top1 {top}/{n}{' bit-identical' if same else ''}")
@@ -282,15 +294,32 @@ def check_dspark(fx: GoldenFixture, m: V41Model, rep: Report, case: str, S: int)
         rep.check(cd <= CONF_MAX_ABS, f"{case} confidence teacher-forced: max|d| {cd:.2g}")
 
 
-def golden_check(d: str | Path, ops_backend: str = "torch", numerics: str = "reference"
-                 ) -> tuple[bool, str, Report]:
+def merge_stage_reports(reps: list[dict]) -> Report:
+    """One Report from the reports of the pipeline stages (each replayed its own layers; the last
+    stage checked the logits, the head and the DSpark stages), in stage order."""
+    out = Report()
+    for r in reps:
+        out.failures += r["failures"]
+        out.lines += r["lines"]
+        for k in ("layers_ok", "layers_total", "rows_over", "rows_total", "top1", "top1_total", "steps"):
+            setattr(out, k, getattr(out, k) + r[k])
+        for k in ("max_layer_err", "max_row_err", "max_premix"):
+            setattr(out, k, max(getattr(out, k), r[k]))
+        out.min_cos = min(out.min_cos, r["min_cos"])
+    return out
+
+
+def golden_check(d: str | Path, ops_backend: str = "torch", numerics: str = "reference",
+                 pipeline: int | None = None, sequence_parallel: bool = False) -> tuple[bool, str, Report]:
     """numerics 'reference' (default) keeps the reference's accumulation order and is held to the
     strict per-layer criteria; 'exact' (fp64 accumulation, the serving default) is an order-only
-    variant and is held to the README's loose per-layer level."""
+    variant and is held to the README's loose per-layer level. Under torchrun with `pipeline`
+    stages every stage checks its own layers and the reports are merged (the first rank of each
+    stage contributes its stage's)."""
     ops.set_backend(ops_backend)
     ops.set_numerics(numerics)
     fx = GoldenFixture(d)
-    m = build_model(fx)
+    m = build_model(fx, pipeline, sequence_parallel)
     rep = Report()
     check_exact(fx, m, rep)
     for c in fx.cases:
@@ -298,6 +327,11 @@ def golden_check(d: str | Path, ops_backend: str = "torch", numerics: str = "ref
             replay_layers(fx, m, rep, c, loose=numerics != "reference")
     for c in fx.cases:
         run_case(fx, m, rep, c)
+    lay = getattr(m.comm, "lay", None)
+    if lay is not None and lay.pipeline > 1:
+        from v4flash_backend.parallel.pipeline import gather_stage_objects
+
+        rep = merge_stage_reports(gather_stage_objects(vars(rep), lay))
     final = (f"golden: cases={len(fx.cases)} steps={rep.steps} layers_ok={rep.layers_ok}/{rep.layers_total} "
              f"max_layer_err={rep.max_layer_err:.3g} min_logit_cosine={rep.min_cos:.4f} "
              f"top1_agree={rep.top1}/{rep.top1_total} max_row_err={rep.max_row_err:.3g} "

@@ -70,6 +70,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
+                 master_port: int, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None) -> list[str]:
+    """The torchrun command of one node of a rank group (`launch` runs the single-node one; a
+    multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
+    last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
+    port_file."""
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
+           "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
+           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
+           "--host", host, "--port", str(port)]
+    return cmd + (["--port-file", port_file] if port_file else [])
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -158,10 +171,8 @@ class RankGroup:
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
-        cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node or settings.world_size),
-               "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker",
-               "--settings-json", settings.to_json(), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file]
+        cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
+                           "127.0.0.1", 0, port_file)
         e = dict(os.environ)
         if PACKAGE_DIR.parent.name not in ("site-packages", "dist-packages"):
             # a source checkout (<repo>/src): make the workers import this copy. An installed package
@@ -431,6 +442,10 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--graph-backend", default=None,
                         help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
     parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
+    parser.add_argument("--pipeline-parallel", type=int, default=None,
+                        help="pipeline stages of the rank group (world-size / P ranks each; eager decode)")
+    parser.add_argument("--sequence-parallel", action="store_true", default=None,
+                        help="sequence-parallel prefill inside each stage of the rank group")
     parser.add_argument("--sps-path", default=None,
                         help="DSpark SPS table: loaded if present, else profiled and saved (default: a cache file "
                              "per checkpoint under ~/.cache/v4flash, so seeded sampled runs agree across W and "
@@ -471,6 +486,8 @@ def generate_settings(args, prompt: list[int]):
     extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
                                ("graph_backend", getattr(args, "graph_backend", None)),
                                ("spec_mode", getattr(args, "spec_mode", None)),
+                               ("pipeline_parallel", getattr(args, "pipeline_parallel", None)),
+                               ("sequence_parallel", getattr(args, "sequence_parallel", None)),
                                ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
     return Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
                     ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,

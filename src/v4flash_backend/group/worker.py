@@ -1,7 +1,8 @@
 """The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
 
-Every rank loads its shard (`parallel`) and a runner: `LocalRunner` (decode_graph eager) or the
-static round graphs' `trn2.neuron.StaticRunner` (decode_graph static; `build_runner`). Rank 0 owns the request queue, the
+Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
+`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
+(decode_graph static; `build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
 > 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
@@ -45,8 +46,12 @@ the connection that submitted it and is cancelled if that connection closes.
     {"event":"error","code":"INVALID_ARG","message":..,"tag":T} (with the id when it has one).
   Every request ends with exactly one final message: a chunk with a finish_reason, or an error.
 
-Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`) with
-`--host <reachable address of rank 0> --port P`, then point the client at that address.
+Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`,
+`rank_group.node_command`) with `--host <reachable address of the driver> --port P`, then point the
+client at that address. With `--pipeline-parallel P` the stages are consecutive blocks of W / P ranks
+(a node each) and the driver (engine, sampling, socket server, plan broadcasts) is the last stage's
+first rank, where the logits are: plans go out from it, boundary payloads go stage to stage
+(`parallel.pipeline`), and ranks of earlier stages skip DSpark plans.
 """
 
 from __future__ import annotations
@@ -178,11 +183,76 @@ def unpack_block(a, body: torch.Tensor):
     return slot, (tokens, None, f[:G].clone(), f[G:G + G * V].view(G, V).clone())
 
 
+class MicroBatchRunner:
+    """A pipeline stage's runner that splits a forward of several sequences into `n` micro-batches
+    of whole segments (contiguous rows, balanced by rows) and runs them one after another: stage s
+    sends micro-batch k and goes on with k + 1 while stage s + 1 works on k, so the stages overlap
+    inside one step. Every rank splits the same plan the same way. Results are reassembled in row
+    order (logits of the requested rows, taps of every row), so the engine sees one forward.
+    Other calls go to the wrapped runner."""
+
+    def __init__(self, local, n: int):
+        self.local, self.n = local, n
+        self.micro_batched = 0  # forwards split so far
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    @staticmethod
+    def split(spec, n: int) -> list[list]:
+        rows = [int(s[2]) for s in spec]
+        total, groups, cur, acc = sum(rows), [], [], 0
+        for k, seg in enumerate(spec):
+            cur.append(seg)
+            acc += rows[k]
+            left = len(spec) - k - 1
+            if len(groups) < n - 1 and left and (acc >= total * (len(groups) + 1) / n or left == n - 1 - len(groups)):
+                groups.append(cur)
+                cur = []
+        return groups + [cur]
+
+    def forward(self, tokens, spec, logits_rows, want_taps: bool):
+        from v4flash_backend.model.transformer import StepOutput
+
+        if self.n < 2 or len(spec) < 2:
+            return self.local.forward(tokens, spec, logits_rows, want_taps)
+        groups = self.split(list(spec), min(self.n, len(spec)))
+        self.micro_batched += 1
+        rows_t = None if isinstance(logits_rows, str) else torch.as_tensor(logits_rows, dtype=torch.long)
+        outs, r0 = [], 0
+        for g in groups:
+            n = sum(int(s[2]) for s in g)
+            if rows_t is None:
+                sel, lr = None, logits_rows
+            else:
+                sel = torch.nonzero((rows_t >= r0) & (rows_t < r0 + n)).reshape(-1)
+                lr = rows_t[sel] - r0
+            out = self.local.forward(tokens[r0:r0 + n], g, lr if rows_t is None or len(lr) else "none", want_taps)
+            outs.append((sel, out))
+            r0 += n
+        taps = torch.cat([o.taps for _, o in outs]) if want_taps and outs[0][1].taps is not None else None
+        self.local.last_taps = taps
+        if outs[-1][1].logits is None and logits_rows != "none" and rows_t is None:
+            return StepOutput(None, taps, None)  # an earlier stage: nothing to assemble
+        parts = [(sel, o) for sel, o in outs if o.logits is not None]
+        if not parts:
+            return StepOutput(None, taps, None)
+        if rows_t is None:
+            return StepOutput(torch.cat([o.logits for _, o in parts]), taps,
+                              torch.cat([o.final_hidden for _, o in parts]))
+        lg = parts[0][1].logits.new_empty((len(rows_t),) + tuple(parts[0][1].logits.shape[1:]))
+        hd = parts[0][1].final_hidden.new_empty((len(rows_t),) + tuple(parts[0][1].final_hidden.shape[1:]))
+        for sel, o in parts:
+            lg[sel], hd[sel] = o.logits, o.final_hidden
+        return StepOutput(lg, taps, hd)
+
+
 class PlanRunner:
     """Rank 0's runner: the `LocalRunner` interface, each call broadcast as a plan first."""
 
-    def __init__(self, local, coll, plan_size: int = 2048, heartbeat_s: float = 2.0):
+    def __init__(self, local, coll, plan_size: int = 2048, heartbeat_s: float = 2.0, src: int = 0):
         self.local = local
+        self.src = src  # this rank (the driver: global rank 0, or the last stage's first rank)
         self.model = local.model
         self.cfg = local.cfg
         self.state = local.state
@@ -234,7 +304,7 @@ class PlanRunner:
         buf[:HDR] = _long([MAGIC, op, self.seq, n, *a, *([0] * (4 - len(a)))])
         if n:
             buf[HDR:HDR + n] = body
-        self.coll.broadcast(buf, 0, "world")
+        self.coll.broadcast(buf, self.src, "world")
         self.seq += 1
         self.sent[OP_NAMES[op]] += 1
         self.last_send = time.monotonic()
@@ -289,12 +359,14 @@ class PlanRunner:
         self._send(OP_STOP)
 
 
-def follow(local, coll, plan_size: int = 2048) -> int:
-    """Ranks > 0: execute rank 0's plans until STOP; returns the number of plans executed."""
+def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True) -> int:
+    """Every rank but the driver `src`: execute its plans until STOP; returns the number of plans
+    executed. drafts False (a pipeline stage before the last): DSpark plans are skipped, the draft
+    stages live on the last stage."""
     buf = torch.zeros(plan_size, dtype=torch.long)
     seq = 0
     while True:
-        coll.broadcast(buf, 0, "world")
+        coll.broadcast(buf, src, "world")
         magic, op, got, n, *a = buf[:HDR].tolist()
         if magic != MAGIC or got != seq or not 0 <= n <= buf.numel() - HDR:
             raise PlanError(f"bad plan header {buf[:HDR].tolist()} (expected sequence {seq})")
@@ -314,9 +386,10 @@ def follow(local, coll, plan_size: int = 2048) -> int:
             local.forward(*unpack_forward(a, body))
             coll.end_step()
         elif op == OP_DSPARK:
-            coll.begin_step()
-            local.dspark(*unpack_dspark(a, body))
-            coll.end_step()
+            if drafts:
+                coll.begin_step()
+                local.dspark(*unpack_dspark(a, body))
+                coll.end_step()
         elif op == OP_ROUND:
             coll.begin_step()
             local.decode_round(unpack_round(a, body))
@@ -572,23 +645,45 @@ def main(argv=None) -> int:
     from v4flash_backend.config import ModelConfig
     from v4flash_backend.parallel.layout import attention_group_max
 
+    # the attention group is bounded by what the checkpoint can be split by, inside one stage
     cfg = ModelConfig.from_json(settings.checkpoint_dir)
+    P = settings.pipeline_parallel or int(os.environ.get("V4FLASH_PIPELINE", "1"))
+    stage_world = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, P))
     lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s,
-                                 attention_group_max(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
+                                 settings.pipeline_parallel, attention_group_max(cfg, stage_world))
     rank = lay.rank
     t0 = time.monotonic()
     if lay.world > 1:
-        model = load_sharded_model(settings.checkpoint_dir, lay, coll)
+        model = load_sharded_model(settings.checkpoint_dir, lay, coll, settings.sequence_parallel)
     else:
         from v4flash_backend.model.loading import load_model
 
         model = load_model(settings.checkpoint_dir)
     local = build_runner(model, settings, rank)
+    if lay.pipeline > 1:  # the stage's caches only (eager runner: its ModelState is plain per-layer dicts)
+        from v4flash_backend.parallel.pipeline import trim_state
+
+        trim_state(local.state, *lay.stage_layers(model.cfg), lay.is_last_stage)
+    if lay.pipeline > 1 and settings.pipeline_micro_batches > 1:
+        local = MicroBatchRunner(local, settings.pipeline_micro_batches)
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
     pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
-    if rank != 0:
-        follow(local, coll, settings.plan_size)
+    if lay.pipeline > 1:
+        lo, hi = lay.stage_layers(model.cfg)
+        _log(rank, f"pipeline stage {lay.stage}/{lay.pipeline}: layers {lo}..{hi - 1}, in-stage rank "
+                   f"{lay.srank}/{lay.stage_world}, driver rank {lay.driver}")
+    if settings.sequence_parallel:
+        from v4flash_backend.parallel.layout import SP_MIN_ROWS_PER_RANK
+
+        lo, hi = lay.stage_layers(model.cfg)
+        G = lay.group_size
+        state = (f"on for forwards of >= {SP_MIN_ROWS_PER_RANK * G} rows in layers {lo}..{hi - 1} (attention group "
+                 f"of {G}: wo_b / MoE reduce-scatter, all-gathers before attention, MoE and the stage's end)"
+                 if G > 1 else f"off: attention group of 1 rank (layers {lo}..{hi - 1})")
+        _log(rank, f"sequence parallel {state}")
+    if rank != lay.driver:
+        follow(local, coll, settings.plan_size, lay.driver, lay.is_last_stage)
         _log(rank, "stop")
         code = 0
     else:
@@ -640,6 +735,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
 
     stop = threading.Event()
     info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
+            "pipeline_parallel": lay.pipeline, "driver_rank": lay.driver,
             "decode_graph": getattr(local, "decode_graph", "eager"),
             "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len}
 
@@ -648,13 +744,14 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s)
+    plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s, lay.driver)
     engine = Engine(plan, settings)
 
     def extra():
         return {"collectives_total": coll.as_json(dict(coll.total)),
                 "collectives_last_step": coll.as_json(dict(coll.last_step)), "plans": dict(plan.sent),
-                "plan_size": plan.size, "world_size": lay.world}
+                "plan_size": plan.size, "world_size": lay.world,
+                "micro_batched": getattr(local, "micro_batched", 0)}
 
     server = Server(engine, args.host, args.port, info, stop, extra)
     host, port = server.address
@@ -663,7 +760,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
         with open(tmp, "w") as f:
             json.dump(dict(host=host, port=port, **info), f)
         os.replace(tmp, args.port_file)
-    _log(0, f"serving on {host}:{port}")
+    _log(lay.rank, f"serving on {host}:{port}")
     code = 0
     try:
         serve(engine, plan, stop)

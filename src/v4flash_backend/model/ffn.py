@@ -110,8 +110,8 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
                 continue
             rows, slot = torch.where(ids == e)
             y[rows] += expert(W, f"{p}.experts.{e}", x[rows], weights[rows, slot, None], cfg.swiglu_limit)
-    y = comm.moe_out(y)
-    y += expert(W, p + ".shared_experts", x, None, cfg.swiglu_limit)
+    y = comm.moe_out(y)  # sequence parallel: reduced and split to this rank's rows
+    y += expert(W, p + ".shared_experts", comm.sp_local(x), None, cfg.swiglu_limit)
     return y.to(x.dtype)
 
 

@@ -44,6 +44,26 @@ class LocalComm:
     def head(self, logits):  # vocab-parallel head: gather the vocab shards
         return logits
 
+    # sequence parallelism (`parallel.comm.DistComm`): a forward's rows split over the attention group
+    def sp_begin(self, T: int):  # -> this rank's rows (a, b) of a T-row forward, or None (off)
+        return None
+
+    def sp_end(self) -> None:
+        pass
+
+    def sp_full(self, x):  # this rank's rows -> all rows (all-gather); identity when off
+        return x
+
+    def sp_local(self, x):  # all rows -> this rank's rows; identity when off
+        return x
+
+    # pipeline boundary (a model of one stage of several: `parallel.pipeline`); never called at one stage
+    def stage_recv(self, T: int, n_taps: int):  # -> (h [T, hc, D], pre_mix [T, hc], taps or None)
+        raise RuntimeError("a single-stage model has no previous stage")
+
+    def stage_send(self, h, pre_mix, taps) -> None:
+        raise RuntimeError("a single-stage model has no next stage")
+
 
 @dataclass
 class StepOutput:
@@ -59,8 +79,21 @@ class V41Model:
         self.hasher = hasher
         self.comm = comm or LocalComm()
         self.ropes = {i: layer_rope(cfg, i) for i in range(cfg.n_total_layers)}
+        # the backbone layers this model runs: all of them, or one pipeline stage's [lo, hi)
+        self.stage = tuple(getattr(weights, "meta", {}).get("stage_layers", (0, cfg.n_layers)))
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("this config has Engram layers: pass an EngramHasher built from the tokenizer")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage[0] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage[1] == self.cfg.n_layers
+
+    def holds_layer(self, i: int) -> bool:
+        return self.stage[0] <= i < self.stage[1]
 
     # ---- pieces, also used by the golden per-layer replay -------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,12 +139,12 @@ class V41Model:
         a_pre, a_post, a_comb = ops.hc_mixes(h, W[p + ".hc_attn_fn"], W[p + ".hc_attn_scale"],
                                              W[p + ".hc_attn_base"], *mix)
         x = ops.rms_norm(ops.hc_collapse(h, pre_mix), W[p + ".attn_norm.weight"], cfg.norm_eps)
-        a = attn(x)
+        a = attn(self.comm.sp_full(x))  # sequence parallel: attention sees every row, returns ours
         h2 = ops.hc_post(a, h, a_post, a_comb)
         f_pre, f_post, f_comb = ops.hc_mixes(h2, W[p + ".hc_ffn_fn"], W[p + ".hc_ffn_scale"],
                                              W[p + ".hc_ffn_base"], *mix)
         x2 = ops.rms_norm(ops.hc_collapse(h2, a_pre), W[p + ".ffn_norm.weight"], cfg.norm_eps)
-        f = moe(W, cfg, p, n_act, x2, self.comm, capture) if ffn is None else ffn(x2)
+        f = moe(W, cfg, p, n_act, self.comm.sp_full(x2), self.comm, capture) if ffn is None else ffn(x2)
         out = ops.hc_post(f, h2, f_post, f_comb)
         if capture is not None:
             capture.update(attn_in=x, attn_out=a, ffn_in=x2, ffn_out=f, x_out=out, pre_mix_out=f_pre)
@@ -134,24 +167,46 @@ class V41Model:
         tokens = tokens.long()
         for seg in segs:
             state.check_fits(seg)
+        lo, hi = self.stage
         positions = torch.cat([torch.arange(s.start, s.end) for s in segs])
-        hashes = self.engram_hashes(state, tokens, segs) if cfg.engram_layer_ids else None
-        h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
-        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
-        pre_mix[:, 0] = 1.0
-        shared = [dict() for _ in segs]
+        eng = [i for i in cfg.engram_layer_ids if lo <= i < hi]
+        hashes = self.engram_hashes(state, tokens, segs) if eng else None
         taps = []
-        for i in range(cfg.n_layers):
-            if i in cfg.engram_layer_ids:
-                h = engram(self.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], self.comm)
-            if want_taps and i in cfg.dspark_target_layer_ids:
-                taps.append(stream_mean(h))  # the attention input of a target layer, averaged over streams
-            cap = captures.setdefault(i, {}) if captures is not None else None
-            if cap is not None:
-                cap.update(x_in=h, pre_mix_in=pre_mix)
-            h, pre_mix = self.block(i, h, pre_mix, segs, state, shared, positions, cap)
-            if cap is not None:
-                cap["shared"] = [dict(s) for s in shared]
+        if lo == 0:
+            h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
+            pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+            pre_mix[:, 0] = 1.0
+        else:  # a later pipeline stage: the previous stage's full streams, pre-mix and taps so far
+            n_in = sum(1 for t in cfg.dspark_target_layer_ids if t < lo) if want_taps else 0
+            h, pre_mix, t_in = self.comm.stage_recv(len(tokens), n_in)
+            if t_in is not None:
+                taps.append(t_in)
+        shared = [dict() for _ in segs]
+        sp = self.comm.sp_begin(len(tokens))  # sequence parallel: per-token work on rows [a, b) only
+        try:
+            if sp is not None:
+                h, pre_mix = h[sp[0]:sp[1]], pre_mix[sp[0]:sp[1]]
+            new_taps = []
+            for i in range(lo, hi):
+                if i in cfg.engram_layer_ids:
+                    h = engram(self.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], self.comm)
+                if want_taps and i in cfg.dspark_target_layer_ids:
+                    new_taps.append(stream_mean(h))  # the attention input of a target layer, averaged over streams
+                cap = captures.setdefault(i, {}) if captures is not None else None
+                if cap is not None:
+                    cap.update(x_in=h, pre_mix_in=pre_mix)
+                h, pre_mix = self.block(i, h, pre_mix, segs, state, shared, positions, cap)
+                if cap is not None:
+                    cap["shared"] = [dict(s) for s in shared]
+            if sp is not None:  # full rows again before the head or a stage boundary (never send a shard)
+                h, pre_mix = self.comm.sp_full(h), self.comm.sp_full(pre_mix)
+                new_taps = [self.comm.sp_full(torch.cat(new_taps, dim=-1))] if new_taps else []
+        finally:
+            self.comm.sp_end()
+        taps += new_taps
+        if hi < cfg.n_layers:  # not the last stage: hand over, nothing to return
+            self.comm.stage_send(h, pre_mix, torch.cat(taps, dim=-1) if taps else None)
+            return StepOutput(None, None, None)
         rows = _rows(logits_rows, segs)
         logits = hidden = None
         if rows is not None:

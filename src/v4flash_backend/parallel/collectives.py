@@ -65,6 +65,36 @@ class Collectives:
         self._count(group, label, t.numel() * t.element_size(), t0)
         return parts
 
+    def reduce_scatter(self, t: torch.Tensor, group: str, label: str = "reduce_scatter") -> torch.Tensor:
+        """Sum t [G * c, ...] over `group` and return this rank's block [c, ...] (block = group rank)."""
+        G = self.size(group)
+        if G == 1:
+            return t
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        out = t.new_empty((t.shape[0] // G,) + tuple(t.shape[1:]))
+        dist.reduce_scatter_tensor(out, t.contiguous(), group=self.groups[group])
+        self._count(group, label, t.numel() * t.element_size(), t0)
+        return out
+
+    def send(self, t: torch.Tensor, dst: int, label: str = "send") -> None:
+        """Point-to-point send to global rank `dst` (the pipeline boundary), counted under 'pp'."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.send(t.contiguous(), dst)
+        self._count("pp", label, t.numel() * t.element_size(), t0)
+
+    def recv(self, t: torch.Tensor, src: int, label: str = "recv") -> torch.Tensor:
+        """Receive into `t` from global rank `src` (the sender's tensor must have t's size)."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.recv(t, src)
+        self._count("pp", label, t.numel() * t.element_size(), t0)
+        return t
+
     def broadcast(self, t: torch.Tensor, src: int, group: str = "world") -> torch.Tensor:
         if self.size(group) == 1:
             return t
@@ -128,18 +158,22 @@ def graph_collectives(gm) -> dict[str, int]:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
-                     group_max: int | None = None) -> tuple[Layout, Collectives]:
+                     pipeline: int | None = None, group_max: int | None = None) -> tuple[Layout, Collectives]:
     """Join the process group torchrun describes (RANK / WORLD_SIZE / MASTER_ADDR in the
-    environment) and create the attention groups. A collective that waits longer than `timeout_s`
-    raises, so a hung or dead peer ends the rank instead of blocking it forever. group_max: the
-    attention group size bound (`layout.attention_group_max` of the checkpoint); the environment's
-    V4FLASH_ATTN_GROUP wins."""
+    environment) and create the stage and attention groups. `pipeline` stages (default
+    $V4FLASH_PIPELINE or 1) split the world into consecutive blocks of ranks. A collective that
+    waits longer than `timeout_s` raises, so a hung or dead peer ends the rank instead of blocking
+    it forever. Groups: 'world' (every rank: plans, heartbeats), 'stage' (this rank's stage: the
+    model's embed / MoE / Engram / head collectives; the world itself when pipeline is 1), 'attn'.
+    group_max: the attention group size bound (`layout.attention_group_max` of the checkpoint over
+    one stage's ranks); the environment's V4FLASH_ATTN_GROUP wins."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    P = pipeline or int(os.environ.get("V4FLASH_PIPELINE", "1"))
     # V4FLASH_ATTN_GROUP overrides the group size (tests use 2 to get several groups at W = 4)
-    lay = Layout(rank, world, int(os.environ.get("V4FLASH_ATTN_GROUP", group_max or ATTN_GROUP_MAX)))
+    lay = Layout(rank, world, int(os.environ.get("V4FLASH_ATTN_GROUP", group_max or ATTN_GROUP_MAX)), P)
     if world == 1:
         return lay, Collectives()
     backend = backend or os.environ.get("V4FLASH_DIST_BACKEND", "gloo")
@@ -147,13 +181,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     world_pg = dist.group.WORLD
-    attn_pg = world_pg
-    if lay.n_groups > 1:  # every rank creates every group, in the same order
-        for g in range(lay.n_groups):
+    stage_pg = world_pg
+    if P > 1:  # every rank creates every group, in the same order
+        for s in range(P):
+            pg = dist.new_group(lay.stage_ranks(s), timeout=timeout)
+            if s == lay.stage:
+                stage_pg = pg
+    attn_pg = stage_pg
+    if lay.n_groups > 1:
+        for g in range(lay.n_groups * P):
             pg = dist.new_group(lay.group_ranks(g), timeout=timeout)
-            if g == rank // lay.group_size:
+            if g == lay.group_index:
                 attn_pg = pg
-    coll = Collectives({"world": world_pg, "attn": attn_pg}, {"world": world, "attn": lay.group_size})
+    groups = {"world": world_pg, "stage": stage_pg, "attn": attn_pg}
+    coll = Collectives(groups, {"world": world, "stage": lay.stage_world, "attn": lay.group_size})
     return lay, coll
 
 

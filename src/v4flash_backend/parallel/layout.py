@@ -41,34 +41,94 @@ from v4flash_backend.model.weights import Weights, convert
 ATTN_GROUP_MAX = 8  # ranks per attention group (one trn2 chip pair's worth of heads: 64 heads / 8)
 VOCAB_ALIGN = 128  # rows of the embedding / head shard are padded to a multiple of this
 FP8_BLOCK = 32  # fp8 weights carry one scale per 32x32 tile: split boundaries must fall on tiles
+# sequence parallelism starts at this many rows per rank of the attention group: a decode step's few
+# rows are not worth its two extra all-gathers per layer (a choice, see the README's pipeline section)
+SP_MIN_ROWS_PER_RANK = 4
 
 
 @dataclass(frozen=True)
 class Layout:
+    """Rank `rank` of `world` ranks in `pipeline` stages of world // pipeline consecutive ranks each
+    (stage s = ranks [s*S, (s+1)*S)); inside a stage, the in-node layout below (attention groups,
+    experts, vocab and Engram rows over the stage's S ranks). pipeline 1: one stage, the world."""
+
     rank: int
     world: int
-    group_max: int = ATTN_GROUP_MAX  # attention group = min(group_max, world) consecutive ranks
+    group_max: int = ATTN_GROUP_MAX  # attention group = min(group_max, stage world) consecutive ranks
+    pipeline: int = 1
 
     def __post_init__(self):
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ValueError(f"bad rank {self.rank} for world size {self.world}")
-        if self.group_max < 1 or (self.world > self.group_max and self.world % self.group_max):
-            raise ValueError(f"world size {self.world} > {self.group_max} must be a multiple of {self.group_max} "
+        if self.pipeline < 1 or self.world % self.pipeline:
+            raise ValueError(f"world size {self.world} is not a multiple of pipeline_parallel {self.pipeline}")
+        S = self.stage_world
+        if self.group_max < 1 or (S > self.group_max and S % self.group_max):
+            raise ValueError(f"stage world size {S} > {self.group_max} must be a multiple of {self.group_max} "
                              "(the attention group size)")
 
+    # ---- pipeline stages ------------------------------------------------------------------------
+    @property
+    def stage_world(self) -> int:
+        return self.world // self.pipeline
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.stage_world
+
+    @property
+    def srank(self) -> int:
+        """This rank's index inside its stage."""
+        return self.rank % self.stage_world
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline - 1
+
+    def stage_ranks(self, s: int) -> list[int]:
+        return list(range(s * self.stage_world, (s + 1) * self.stage_world))
+
+    def peer(self, s: int) -> int:
+        """The rank of stage `s` with this rank's in-stage index (the point-to-point partner)."""
+        return s * self.stage_world + self.srank
+
+    @property
+    def driver(self) -> int:
+        """The group's driver: the last stage's first rank (engine, sampling, socket server)."""
+        return (self.pipeline - 1) * self.stage_world
+
+    def stage_layers(self, cfg: ModelConfig, s: int | None = None) -> tuple[int, int]:
+        """[lo, hi) of the backbone layers stage `s` (default: this rank's) runs."""
+        cuts = stage_cuts(cfg, self.pipeline)
+        s = self.stage if s is None else s
+        return cuts[s], cuts[s + 1]
+
+    # ---- the in-stage layout ----------------------------------------------------------------------
     @property
     def group_size(self) -> int:
-        return min(self.group_max, self.world)
+        return min(self.group_max, self.stage_world)
 
     @property
     def group_rank(self) -> int:
-        return self.rank % self.group_size
+        return self.srank % self.group_size
 
     @property
     def n_groups(self) -> int:
-        return self.world // self.group_size
+        """Attention groups per stage."""
+        return self.stage_world // self.group_size
+
+    @property
+    def group_index(self) -> int:
+        """This rank's attention group among all stages' groups (the order `group_ranks` numbers them)."""
+        return self.rank // self.group_size
 
     def group_ranks(self, g: int) -> list[int]:
+        """Global ranks of attention group g (groups numbered across stages: stage s holds groups
+        s*n_groups .. (s+1)*n_groups - 1)."""
         return list(range(g * self.group_size, (g + 1) * self.group_size))
 
     def split(self, n: int, what: str, align: int = 1) -> tuple[int, int]:
@@ -81,14 +141,68 @@ class Layout:
         return self.group_rank * part, (self.group_rank + 1) * part
 
     def vocab_chunk(self, vocab: int) -> int:
-        return -(-vocab // (VOCAB_ALIGN * self.world)) * VOCAB_ALIGN
+        return -(-vocab // (VOCAB_ALIGN * self.stage_world)) * VOCAB_ALIGN
 
     def vocab_range(self, vocab: int) -> tuple[int, int]:
         c = self.vocab_chunk(vocab)
-        return min(vocab, self.rank * c), min(vocab, (self.rank + 1) * c)
+        return min(vocab, self.srank * c), min(vocab, (self.srank + 1) * c)
 
     def expert_range(self, n_experts: int) -> tuple[int, int]:
-        return shard_range(n_experts, self.rank, self.world)
+        return shard_range(n_experts, self.srank, self.stage_world)
+
+    def holds_layer(self, cfg: ModelConfig, top: str, idx: int) -> bool:
+        """Whether this rank's stage holds backbone layer `idx` (top 'layers') or DSpark stage `idx`
+        (top 'mtp': the last stage)."""
+        if top == "mtp":
+            return self.is_last_stage
+        lo, hi = self.stage_layers(cfg)
+        return lo <= idx < hi
+
+
+def layer_deps(cfg: ModelConfig, i: int) -> set[int]:
+    """Earlier backbone layers whose state layer i reads in the same or a later step: its KV source
+    (compressed KV and index keys live in the source's cache), the indexer layer whose top-k it
+    reuses, the candidate source whose block mask it applies."""
+    deps = set()
+    src = cfg.kv_source_of(i)
+    if src is not None and src != i:
+        deps.add(src)
+    if cfg.compress_ratios[i] and i not in cfg.index_source_layers:
+        prev = [j for j in cfg.index_source_layers if j < i]
+        if prev:
+            deps.add(prev[-1])
+    if i in cfg.index_source_layers and 0 <= cfg.candidate_source_layer < i:
+        deps.add(cfg.candidate_source_layer)
+    return deps
+
+
+def valid_cuts(cfg: ModelConfig) -> list[int]:
+    """Layers c (0 < c < n_layers) where a stage may begin: no layer >= c reads the state of a
+    layer < c (`layer_deps`), so nothing but the mHC streams and the DSpark taps crosses."""
+    L = cfg.n_layers
+    return [c for c in range(1, L) if all(d >= c for i in range(c, L) for d in layer_deps(cfg, i))]
+
+
+def stage_cuts(cfg: ModelConfig, pipeline: int) -> list[int]:
+    """[0, c_1, ..., n_layers]: P contiguous stages balanced by layer count, each cut the valid cut
+    (`valid_cuts`) nearest to s * n_layers / P (ties go to the later cut: the last stage also runs
+    the head and the DSpark stages). Raises if there are not enough valid cuts."""
+    L = cfg.n_layers
+    if pipeline == 1:
+        return [0, L]
+    cuts, prev = [0], 0
+    cand = valid_cuts(cfg)
+    for s in range(1, pipeline):
+        left = [c for c in cand if c > prev]
+        need = pipeline - s - 1  # cuts still to place after this one
+        left = left[: len(left) - need] if need else left
+        if not left:
+            raise ValueError(f"{cfg.n_layers} layers cannot be split into {pipeline} pipeline stages: the valid "
+                             f"stage boundaries (no KV source / indexer dependency across) are {cand}")
+        target = s * L / pipeline
+        prev = min(left, key=lambda c: (abs(c - target), -c))
+        cuts.append(prev)
+    return cuts + [L]
 
 
 def attention_group_max(cfg: ModelConfig, world: int, group_max: int = ATTN_GROUP_MAX) -> int:
@@ -119,19 +233,26 @@ def shard_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig, lay: Layout)
     None (not on this rank / not used), FULL, or ("slice", dim, start, stop, rows_after_padding)."""
     if name.endswith("bias_vl") or name.startswith(("vision.", "aligner.", "image_")):
         return None
-    if name in ("embed.weight", "head.weight"):
+    if name in ("embed.weight", "head.weight", "norm.weight"):
+        # embedding on the first stage (and the last, for the DSpark draft); head + final norm on the last
+        if not (lay.is_last_stage or (name == "embed.weight" and lay.is_first_stage)):
+            return None
+        if name == "norm.weight":
+            return FULL
         a, b = lay.vocab_range(shape[0])
         return ("slice", 0, a, b, lay.vocab_chunk(shape[0]))
     m = re.match(r"(layers|mtp)\.(\d+)\.(.+)$", name)
     if not m:
         return FULL
     top, idx, rest = m.group(1), int(m.group(2)), m.group(3)
+    if lay.pipeline > 1 and not lay.holds_layer(cfg, top, idx):
+        return None
     e = re.match(r"ffn\.experts\.(\d+)\.", rest)
     if e:
         a, b = lay.expert_range(_layer_experts(cfg, top, idx))
         return FULL if a <= int(e.group(1)) < b else None
     if rest.startswith("engram.embed."):
-        a, b = shard_range(shape[0], lay.rank, lay.world)
+        a, b = shard_range(shape[0], lay.srank, lay.stage_world)
         return ("slice", 0, a, b, b - a)
     is_scale = rest.endswith(".scale")
     unit = FP8_BLOCK if is_scale else 1  # a scale row/column covers 32 weight rows/columns
@@ -179,13 +300,15 @@ def load_shard(reader: CheckpointReader, cfg: ModelConfig, lay: Layout) -> Weigh
     out.meta["vocab_start"] = lay.vocab_range(V)[0]
     out.meta["vocab_size"] = V
     out.meta["engram_row_start"] = {
-        i: shard_range(reader.shape(f"layers.{i}.engram.embed.weight")[0], lay.rank, lay.world)[0]
+        i: shard_range(reader.shape(f"layers.{i}.engram.embed.weight")[0], lay.srank, lay.stage_world)[0]
         for i in cfg.engram_layer_ids if f"layers.{i}.engram.embed.weight" in reader}
     experts = {}
     for top, n in (("layers", cfg.n_layers), ("mtp", cfg.n_mtp_layers if cfg.dspark_block_size else 0)):
         for i in range(n):
-            if f"{top}.{i}.ffn.gate.weight" in reader:
+            if f"{top}.{i}.ffn.gate.weight" in reader and lay.holds_layer(cfg, top, i):
                 experts[f"{top}.{i}.ffn"] = list(range(*lay.expert_range(_layer_experts(cfg, top, i))))
     out.meta["experts"] = experts
     out.meta["layout"] = (lay.rank, lay.world)
+    out.meta["stage_layers"] = lay.stage_layers(cfg)
+    out.meta["pipeline"] = (lay.stage, lay.pipeline)
     return out

@@ -167,7 +167,7 @@ def _expert_id(name: str) -> tuple[str, int] | None:
     return name[: i + 4], int(name[j: name.index(".", j)])
 
 
-def all_rank_bytes(cfg: ModelConfig, world: int, specs=None) -> list[dict[str, int]]:
+def all_rank_bytes(cfg: ModelConfig, world: int, specs=None, pipeline: int = 1) -> list[dict[str, int]]:
     """`rank_bytes` of every rank. Routed experts (most of the ~10^5 tensors of the release) are
     whole on one rank and partitioned by `Layout.expert_range` (the rule `shard_spec` applies), so
     they are summed per expert once; everything else goes through `rank_bytes`."""
@@ -180,21 +180,35 @@ def all_rank_bytes(cfg: ModelConfig, world: int, specs=None) -> list[dict[str, i
             rest.append((name, shape, st))
             continue
         per_expert[key[0]][key[1]] += math.prod(shape) * _ITEM[st]
+    # the rule of a tensor depends on the rank only through its stage and attention-group rank,
+    # except the vocab-parallel and Engram-row tensors: sum the rest once per (stage, group rank)
+    per_rank = [t for t in rest if t[0] in ("embed.weight", "head.weight") or ".engram.embed." in t[0]]
+    per_group = [t for t in rest if not (t[0] in ("embed.weight", "head.weight") or ".engram.embed." in t[0])]
+    groups: dict = {}
     out = []
     for r in range(world):
-        lay = Layout(r, world)
-        b = rank_bytes(cfg, lay, rest)
-        for sizes in per_expert.values():
-            b["experts"] += sum(sizes[j] for j in range(*lay.expert_range(len(sizes))))
+        lay = Layout(r, world, pipeline=pipeline)
+        key = (lay.stage, lay.group_rank)
+        if key not in groups:
+            groups[key] = rank_bytes(cfg, lay, per_group)
+        b = {c: groups[key][c] + v for c, v in rank_bytes(cfg, lay, per_rank).items()}
+        for prefix, sizes in per_expert.items():
+            top, idx = prefix.split(".")[:2]
+            if lay.holds_layer(cfg, top, int(idx)):
+                b["experts"] += sum(sizes[j] for j in range(*lay.expert_range(len(sizes))))
         out.append(b)
     return out
 
 
-def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8) -> int:
-    """Bytes of `ModelState(cfg, num_slots, max_len, margin)` (every rank holds all of it)."""
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8, layers=None,
+                dspark: bool = True) -> int:
+    """Bytes of `ModelState(cfg, num_slots, max_len, margin)` (every rank holds all of it), or of
+    the part a pipeline stage keeps (`pipeline.trim_state`): backbone `layers` [lo, hi), the
+    DSpark rings if `dspark`."""
+    lo, hi = layers or (0, cfg.n_layers)
     hd, per_slot = cfg.head_dim, 0
-    per_slot += cfg.n_layers * (cfg.window_size + margin) * hd * 2
-    for src in cfg.kv_source_layers:
+    per_slot += (hi - lo) * (cfg.window_size + margin) * hd * 2
+    for src in [s for s in cfg.kv_source_layers if lo <= s < hi]:
         r = cfg.compress_ratios[src]
         rows = (max_len + margin) // r + 1
         per_slot += rows * hd * 2
@@ -203,31 +217,47 @@ def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8)
         if r > 1:
             per_slot += 2 * (r + margin) * hd * 4
     per_slot += (max(cfg.engram_max_ngram_size, 1) + margin) * 8 + 8  # Engram history + ik_last
-    per_slot += (cfg.n_mtp_layers if cfg.dspark_block_size else 0) * cfg.window_size * hd * 2
+    per_slot += (cfg.n_mtp_layers if cfg.dspark_block_size and dspark else 0) * cfg.window_size * hd * 2
     return num_slots * per_slot
 
 
-def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool = True) -> dict:
+def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool = True,
+                            pipeline: int = 1, stage: int = 0) -> dict:
     """{(group, op): calls} of one `V41Model.forward` over `segments` [(start, n)] at world size
     `world`: embed + one MoE per layer + Engram layers on the world; wo_b per layer plus the
-    indexer once per segment that reaches a compressed group, on the attention group."""
-    if world == 1:
-        return {}
-    index_calls = sum(1 for i in cfg.index_source_layers for start, n in segments
+    indexer once per segment that reaches a compressed group, on the attention group. With
+    `pipeline` stages: stage `stage`'s layers, its in-stage collectives on group 'stage', and the
+    boundary messages on 'pp' (a receive unless first, a send unless last)."""
+    from .layout import stage_cuts
+
+    cuts = stage_cuts(cfg, pipeline)
+    lo, hi = cuts[stage], cuts[stage + 1]
+    first, last = stage == 0, stage == pipeline - 1
+    out = {}
+    if pipeline > 1:
+        if not first:
+            out[("pp", "boundary_recv")] = 1
+        if not last:
+            out[("pp", "boundary_send")] = 1
+    if world // pipeline == 1:
+        return out
+    wg = "stage" if pipeline > 1 else "world"
+    index_calls = sum(1 for i in cfg.index_source_layers if lo <= i < hi for start, n in segments
                       if (start + n) // cfg.compress_ratios[i] > 0)
-    out = {("world", "all_reduce"): 1 + cfg.n_layers + len(cfg.engram_layer_ids),
-           ("attn", "all_reduce"): cfg.n_layers + index_calls}
-    if logits:
-        out[("world", "all_gather")] = 1
+    out[(wg, "all_reduce")] = int(first) + (hi - lo) + sum(1 for i in cfg.engram_layer_ids if lo <= i < hi)
+    out[("attn", "all_reduce")] = (hi - lo) + index_calls
+    if logits and last:
+        out[(wg, "all_gather")] = 1
     return out
 
 
-def collectives_per_draft(cfg: ModelConfig, world: int) -> dict:
-    """One `DSparkDrafter.draft`: embed, one MoE per stage, the head; wo_b per stage."""
-    if world == 1 or not cfg.dspark_block_size:
+def collectives_per_draft(cfg: ModelConfig, world: int, pipeline: int = 1) -> dict:
+    """One `DSparkDrafter.draft` (on the last stage): embed, one MoE per stage, the head; wo_b per stage."""
+    if world // pipeline == 1 or not cfg.dspark_block_size:
         return {}
-    return {("world", "all_reduce"): 1 + cfg.n_mtp_layers, ("attn", "all_reduce"): cfg.n_mtp_layers,
-            ("world", "all_gather"): 1}
+    wg = "stage" if pipeline > 1 else "world"
+    return {(wg, "all_reduce"): 1 + cfg.n_mtp_layers, ("attn", "all_reduce"): cfg.n_mtp_layers,
+            (wg, "all_gather"): 1}
 
 
 def _add(a: dict, b: dict) -> dict:
@@ -237,7 +267,29 @@ def _add(a: dict, b: dict) -> dict:
     return dict(out)
 
 
-def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, label: str = "") -> list[str]:
+def sp_lines(cfg: ModelConfig, world: int, pipeline: int, sequence_parallel: bool, prefill_chunk: int) -> list[str]:
+    """Per layer, whether sequence parallelism is active for a prefill chunk of `prefill_chunk`
+    rows (`parallel.comm.DistComm.sp_begin`: on when set, the attention group has G > 1 ranks and
+    the chunk at least SP_MIN_ROWS_PER_RANK * G rows; decode steps have fewer and stay off)."""
+    from .layout import SP_MIN_ROWS_PER_RANK, stage_cuts
+
+    cuts = stage_cuts(cfg, pipeline)
+    G = Layout(0, world, pipeline=pipeline).group_size
+    m = SP_MIN_ROWS_PER_RANK * G
+    on = sequence_parallel and G > 1 and prefill_chunk >= m
+    parts = [f"layers {cuts[s]}..{cuts[s + 1] - 1} {'on' if on else 'off'} (stage {s})" for s in range(pipeline)]
+    why = "" if on else (" (not set)" if not sequence_parallel else f" (attention group of {G})" if G == 1
+                         else f" (chunk < {m} rows)")
+    return [f"sequence parallel for prefill chunks of {prefill_chunk} rows over the attention group of {G}: "
+            + "; ".join(parts) + f"{why}; steps of fewer than {m} rows (decode) off; "
+            f"sp_layers={cfg.n_layers if on else 0}/{cfg.n_layers}"]
+
+
+def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, label: str = "",
+           pipeline: int = 1, sequence_parallel: bool = False, prefill_chunk: int = 256) -> list[str]:
+    if pipeline > 1:
+        return _pipeline_report(cfg, world, max_model_len, max_num_seqs, label, pipeline, sequence_parallel,
+                                prefill_chunk)
     specs = tensor_specs(cfg)
     caches = cache_bytes(cfg, max_num_seqs + 1, max_model_len)
     per_rank = all_rank_bytes(cfg, world, specs)
@@ -279,6 +331,78 @@ def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, 
         f"placement: world={world} max_gib_per_rank={max_gib:.2f} world_allreduce_per_step={w_ar} "
         f"group_allreduce_per_step={g_ar}",
     ]
+    if sequence_parallel:
+        lines[-1:-1] = sp_lines(cfg, world, 1, True, prefill_chunk)
+    return lines
+
+
+def _rank_rows(per_rank: list[dict], cols) -> list[str]:
+    seen, out = {}, []
+    for r, b in enumerate(per_rank):  # ranks with identical shards print once
+        seen.setdefault(tuple(b[c] for c in cols), []).append(r)
+    for key, ranks in seen.items():
+        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}..{ranks[-1]}" \
+            if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{len(ranks)} ranks"
+        out.append(f"{name:<14} " + " ".join(f"{v / GIB:>11.4f}" for v in key) + f" {sum(key) / GIB:>8.4f}")
+    return out
+
+
+def _pipeline_report(cfg, world, max_model_len, max_num_seqs, label, P, sequence_parallel, prefill_chunk):
+    """The report of `pipeline` P > 1 stages: each rank's weights and caches of its stage alone, the
+    in-stage collectives of each stage, and the point-to-point bytes of the boundaries."""
+    from .layout import stage_cuts
+    from .pipeline import HEADER, boundary_bytes, payload_bytes, taps_before
+
+    specs = tensor_specs(cfg)
+    cuts = stage_cuts(cfg, P)
+    per_rank = all_rank_bytes(cfg, world, specs, pipeline=P)
+    S = world // P
+    for r, b in enumerate(per_rank):
+        s = r // S
+        b["caches"] = cache_bytes(cfg, max_num_seqs + 1, max_model_len, layers=(cuts[s], cuts[s + 1]),
+                                  dspark=s == P - 1)
+    lay0 = Layout(0, world, pipeline=P)
+    cols = list(COMPONENTS) + ["caches"]
+    lines = [f"placement of {label or 'config'}: world={world} pipeline_parallel={P} stage_world={S} "
+             f"attn_group={lay0.group_size} vocab_rows/rank={lay0.vocab_chunk(cfg.vocab_size)} "
+             f"experts/rank={cfg.n_routed_experts / S:g} (DSpark {cfg.moe_shape(cfg.n_layers)[0] / S:g}, last stage) "
+             f"caches for max_model_len={max_model_len} max_num_seqs={max_num_seqs} (+1 scratch slot)",
+             "stages: " + "; ".join(f"{s}: layers {cuts[s]}..{cuts[s + 1] - 1} (ranks {s * S}..{(s + 1) * S - 1}"
+                                    + (", embedding" if s == 0 else "")
+                                    + (", head + DSpark + sampling, driver" if s == P - 1 else "") + ")"
+                                    for s in range(P))
+             + " (balanced by layer count at cuts no KV source / indexer dependency crosses)",
+             "GiB per rank   " + " ".join(f"{c:>11}" for c in cols) + f" {'total':>8}"]
+    lines += _rank_rows(per_rank, cols)
+    max_gib = max(sum(b.values()) for b in per_rank) / GIB
+    R = max_num_seqs
+    long_ctx = [(max_model_len - 1, 1)] * R
+    w_ar = g_ar = 0
+    for s in range(P):
+        step = collectives_per_forward(cfg, world, long_ctx, pipeline=P, stage=s)
+        if s == P - 1:
+            step = _add(step, collectives_per_draft(cfg, world, P))
+        sa, ga = step.get(("stage", "all_reduce"), 0), step.get(("attn", "all_reduce"), 0)
+        w_ar, g_ar = max(w_ar, sa), max(g_ar, ga)
+        lines.append(f"stage {s} collectives per decode step ({R} sequences{', + DSpark draft' if s == P - 1 else ''}): "
+                     f"stage all_reduce {sa}, attention-group all_reduce {ga}, stage all_gather "
+                     f"{step.get(('stage', 'all_gather'), 0)}, boundary recv {step.get(('pp', 'boundary_recv'), 0)} "
+                     f"send {step.get(('pp', 'boundary_send'), 0)}")
+    dec = boundary_bytes(cfg, world, P, R)
+    pre = boundary_bytes(cfg, world, P, prefill_chunk)
+    one = payload_bytes(cfg, 1, taps_before(cfg, cuts[1])) - HEADER
+    lines += [
+        f"point-to-point per boundary message: full mHC streams {cfg.hc_mult}x{cfg.dim} bf16 + pre-mix "
+        f"{cfg.hc_mult} f32 + DSpark taps so far ({', '.join(str(taps_before(cfg, c)) for c in cuts[1:-1])} at the "
+        f"boundaries) = {one} bytes per row plus a {HEADER}-byte header per message, from each of the {S} ranks "
+        f"of a stage to its peer",
+        f"pipeline: stages={P} p2p_bytes_per_step={sum(dec)} (decode, {R} rows: "
+        f"{' + '.join(str(b) for b in dec)} over {P - 1} boundar{'y' if P == 2 else 'ies'}) "
+        f"p2p_bytes_per_prefill_chunk={sum(pre)} ({prefill_chunk} rows)",
+    ]
+    lines += sp_lines(cfg, world, P, sequence_parallel, prefill_chunk)
+    lines.append(f"placement: world={world} max_gib_per_rank={max_gib:.2f} world_allreduce_per_step={w_ar} "
+                 f"group_allreduce_per_step={g_ar}")
     return lines
 
 
@@ -288,12 +412,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=65536)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--pipeline-parallel", type=int, default=1,
+                        help="pipeline stages (world-size / P ranks each); with P > 1 the two per-step "
+                             "all-reduce counts of the last line are those of the busiest stage")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="report sequence-parallel prefill per layer")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="rows of a prefill chunk")
 
 
 def main(args) -> int:
     cfg = ModelConfig.release() if args.config == "release" else ModelConfig.from_json(args.config)
-    Layout(0, args.world_size)  # validates the world size
-    for line in report(cfg, args.world_size, args.max_model_len, args.max_num_seqs, str(args.config)):
+    Layout(0, args.world_size, pipeline=args.pipeline_parallel)  # validates the world size
+    for line in report(cfg, args.world_size, args.max_model_len, args.max_num_seqs, str(args.config),
+                       args.pipeline_parallel, args.sequence_parallel, args.prefill_chunk):
         print(line)
     return 0
 
