@@ -201,3 +201,31 @@ def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]
                 f"(budget {SBUF_BUDGET // 1024}) peak_psum_kib={r.peak_psum / 1024:.1f} banks={r.peak_banks}/"
                 f"{PSUM_BANKS} worst={r.worst} {r.seconds:.1f}s")
     return out
+
+
+# ---- the linears at a prefill row block ---------------------------------------------------------------
+def linear_block_calls(rows: int = 512, n: int = 2048) -> dict:
+    """Op calls of the linears at the release's contraction sizes with `rows` rows (the kernels' 512-row
+    x^T block is the most a prefill chunk puts in SBUF at once) and `n` output columns (2 column blocks per
+    program of the LNC=2 grid; the footprint does not grow with N past that): DSpark main_proj (fp8,
+    K = 15360), the shared expert / attention projections (fp8, K = 5120), the routed experts (fp4), the
+    bf16 compressor and grouped wo_a projections, the fp32 head shard."""
+    def t(shape, dt):
+        return ("T", tuple(shape), dt)
+
+    return {
+        "linear_fp8": {(t((rows, k), "bfloat16"), t((n, k), "float8_e4m3fn"), t((n // 32, k // 32), "float8_e8m0fnu"))
+                       for k in (15360, 5120)},
+        "linear_fp4": {(t((rows, 5120), "bfloat16"), t((n, 2560), "int8"), t((n, 160), "float8_e8m0fnu"))},
+        "linear_bf16": {(t((rows, 5120), "bfloat16"), t((n, 5120), "bfloat16")),
+                        (t((rows, 1, 4096), "bfloat16"), t((1, 1024, 4096), "bfloat16"))},
+        "linear_f32": {(t((rows, 5120), "float32"), t((n, 5120), "float32"))},
+    }
+
+
+if __name__ == "__main__":  # python -m v4flash_backend.checks.footprint [rows]: the linears at a row block
+    import sys
+
+    res = check_kernels(linear_block_calls(int(sys.argv[1]) if len(sys.argv) > 1 else 512),
+                        log=lambda s: None if "unmeasured" in s else print(s, flush=True))
+    sys.exit(0 if all(r.ok for r in res if r.launches) else 1)
