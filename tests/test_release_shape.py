@@ -170,7 +170,6 @@ def test_k_tiled_linears_fit_at_release_k_and_untiled_ones_are_flagged(monkeypat
     whole K (the schedule before issue 18) measure over budget (332 / 203 KiB at the release shapes), the
     check must report them as such (not ok, no failure), and the strict simulator refuses them."""
     from nki_sim import SimError
-
     from v4flash_backend import ops
     from v4flash_backend.checks import footprint
     from v4flash_backend.kernels import linear
