@@ -248,3 +248,50 @@ def test_results_do_not_depend_on_the_work_split(monkeypatch):
     assert_exact(nki_ops.linear_f32(x[0:1], w), outs[0][0][0:1])
     assert_exact(nki_ops.linear_f32(x[1:6], w), outs[0][0][1:6])
     assert_exact(nki_ops.sparse_attn(q[:, 33:36], kv, sink, idx[:, 33:36], 0.125), outs[0][1][:, 33:36])
+
+
+# ---- K tiling of the linears (issue 18) ----------------------------------------------------------------
+def _linear_args(name, lead, k, n):
+    x = _randn(*lead, k, seed=21, dtype=BF16)
+    if name == "linear_fp8":
+        x[..., 32:64] = 0  # an all-zero group takes the 1e-4 amax floor
+        return (x, *quant.quantize_fp8_weight(_randn(n, k, seed=22)))
+    if name == "linear_fp4":
+        return (x, *quant.quantize_fp4_weight(_randn(n, k, seed=23)))
+    if name == "linear_f32":
+        return x.float(), _randn(n, k, seed=24)
+    if name == "grouped":
+        return x.reshape(*lead, 2, k // 2), _randn(2, n, k // 2, seed=25, scale=0.2, dtype=BF16)
+    return x, _randn(n, k, seed=26, dtype=BF16)
+
+
+@pytest.mark.parametrize("name", ["linear_fp8", "linear_fp4", "linear_bf16", "linear_f32", "grouped"])
+def test_linear_k_tiles_keep_every_bit(grid, monkeypatch, name):
+    """Tiling along K (`linear.KT`) and shorter row blocks (`linear.XT_BUDGET`) move tiles, not sums:
+    every output stays one fp32 PSUM accumulation over the 128-row K chunks in ascending order with one
+    rounding, so 128-column K tiles (K = 640: 5 tiles, the fp8 / fp4 activation and scale groups split
+    across them) and 128-row blocks (133 rows: 2 blocks) must equal the one-tile schedule bit for bit
+    (EXACT), and the result stays within the GEMM tolerance of the reference."""
+    from v4flash_backend.kernels import linear
+
+    op = "linear_bf16" if name == "grouped" else name
+    args = _linear_args(name, (1, 133), 640, 200)
+    monkeypatch.setattr(linear, "KT", 1 << 20)
+    monkeypatch.setattr(linear, "XT_BUDGET", 1 << 30)
+    whole = getattr(nki_ops, op)(*args)
+    monkeypatch.setattr(linear, "KT", 128)
+    monkeypatch.setattr(linear, "XT_BUDGET", 1)  # m_block -> 128 rows
+    assert linear.m_block(640, 2) == 128
+    tiled = getattr(nki_ops, op)(*args)
+    assert_exact(tiled, whole)
+    if op != "linear_f32":
+        assert_gemm(tiled, getattr(torch_ops, op)(*args))
+
+
+def test_linear_k_tile_must_keep_pe_chunks_whole(monkeypatch):
+    """A K tile that is not a multiple of 128 would split a PE chunk (and a 32-group): refused."""
+    from v4flash_backend.kernels import linear
+
+    monkeypatch.setattr(linear, "KT", 96)
+    with pytest.raises(AssertionError):
+        nki_ops.linear_bf16(*_linear_args("linear_bf16", (3,), 256, 64))

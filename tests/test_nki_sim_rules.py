@@ -448,7 +448,7 @@ def test_activation_fake_quant_reproduces_e4m3fn_grid_and_448_saturation():
 
 def test_kernels_fit_the_live_sbuf_and_psum_at_release_shapes():
     """R8 at the released model's sizes (dim 5120, hc 4, 64 heads x 512, 32 index heads x 128, expert dim
-    2304): every kernel's live SBUF stays within the 192 KiB per partition (the simulator raises otherwise) --
+    2304, DSpark main_proj K = 15360): every kernel's live SBUF stays within the 192 KiB per partition (the simulator raises otherwise) --
     the tiny test models would never reach the limit. Peaks are recorded per program (nki_sim._runtime)."""
     import nki_sim._runtime as R
     from nki_sim import _rules as RU
@@ -464,10 +464,14 @@ def test_kernels_fit_the_live_sbuf_and_psum_at_release_shapes():
 
     x = rn(300, 5120)
     w8, s8 = quant.quantize_fp8_weight(rn(256, 5120, dt=torch.float32) / 70)
+    # DSpark main_proj's K = 15360 at the 512-row block (a prefill chunk): K tiles + a 256-row x^T block
+    x15 = rn(512, 15360)
+    w15, s15 = quant.quantize_fp8_weight(rn(128, 15360, dt=torch.float32) / 120)
     w4, s4 = quant.quantize_fp4_weight(rn(256, 5120, dt=torch.float32) / 70)
     h = rn(8, 4, 5120)
     runs = {
         "linear_fp8": lambda: nki_ops.linear_fp8(x, w8, s8),
+        "linear_fp8_k15360": lambda: nki_ops.linear_fp8(x15, w15, s15),
         "linear_fp4": lambda: nki_ops.linear_fp4(x, w4, s4),
         "linear_f32": lambda: nki_ops.linear_f32(x[:8].float(), rn(64, 5120, dt=torch.float32)),
         "hc_mixes": lambda: nki_ops.hc_mixes(h, rn(24, 20480, dt=torch.float32) / 140, torch.rand(3, generator=g),

@@ -1,14 +1,12 @@
 """Live SBUF / PSUM footprint of NKI kernel launches under the CPU simulator, and the release-shape
 kernel check of `release-check`.
 
-Measuring hook (from outside `nki_sim`, which this module does not change): `measuring()` wraps
-`nki_sim._runtime.alloc` and `nki_sim._runtime.launch`. Every on-chip allocation is recorded with its
-bytes per partition (free size x item size; PSUM also in 2 KiB banks, rounded up per tile). A tile is
-live from its allocation until the kernel drops its last reference to it (CPython refcounts, checked
-at every allocation -- the only moments a peak can rise), per program of the launch grid. The same
-semantics as the simulator's own footprint rule being added in issue 12 (`nki_sim._rules.Footprint`),
-which should replace this hook once merged. It is conservative against the compiler, which can reuse
-the space of a tile whose last use has passed while a Python name still holds it.
+The figures are the simulator's own accounting (`nki_sim._rules.Footprint`, rule R8, issue 12): every
+on-chip allocation counts its bytes per partition (free size x item size; PSUM in whole 2 KiB banks) from
+its allocation until the kernel drops its last reference to it, per program of the launch grid;
+`measuring()` reads the per-program peaks the simulator leaves in `nki_sim._runtime.last_peaks`. This is
+conservative against the compiler, which can reuse the space of a tile whose last use has passed while a
+Python name still holds it.
 
 Budgets (`nki_sim._rules` of issue 12, after aws-neuron-sdk `nki/guides/architecture/trainium2_arch.rst`):
 192 KiB of SBUF per partition usable by a kernel (NeuronCore-v3 has 224 KiB physical, the rest left
@@ -17,8 +15,6 @@ to the compiler) and PSUM 16 KiB per partition = 8 banks of 2 KiB.
 
 from __future__ import annotations
 
-import math
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,106 +41,46 @@ def arg_sig(a):
     return a
 
 
-# ---- the measuring hook -------------------------------------------------------------------------------
-class _Tracker:
-    def __init__(self):
-        self.live: list = []  # [storage, bytes per partition, on-chip kind]
-        self.program = None
-        self.reset()
-
-    def reset(self):
-        self.live.clear()
-        self.sbuf = self.psum = self.banks = 0
-        self.peak_sbuf = self.peak_psum = self.peak_banks = 0
-
-    def _prune(self):
-        keep = []
-        for ent in self.live:
-            st = ent[0]
-            if sys.getrefcount(st) > _ALIVE_REFS:  # someone besides this list still holds the tile
-                keep.append(ent)
-        self.live = keep
-        self.sbuf = sum(e[1] for e in keep if e[2] == "sbuf")
-        self.psum = sum(e[1] for e in keep if e[2] == "psum")
-        self.banks = sum(-(-e[1] // PSUM_BANK) for e in keep if e[2] == "psum")
-
-    def add(self, storage, nbytes: int, kind: str, program):
-        if program != self.program:  # a new program of the grid: the last one's tiles are gone
-            self.program = program
-            self.live.clear()
-        self._prune()
-        self.live.append([storage, nbytes, kind])
-        if kind == "sbuf":
-            self.sbuf += nbytes
-        else:
-            self.psum += nbytes
-            self.banks += -(-nbytes // PSUM_BANK)
-        self.peak_sbuf = max(self.peak_sbuf, self.sbuf)
-        self.peak_psum = max(self.peak_psum, self.psum)
-        self.peak_banks = max(self.peak_banks, self.banks)
-
-
-def _alive_refs() -> int:
-    """getrefcount of an object referenced only by a _Tracker.live entry, seen from _prune's loop."""
-    obj = type("_Probe", (), {})()
-    t = _Tracker()
-    t.live.append([obj, 0, "sbuf"])
-    del obj
-    for ent in t.live:  # the same references as in _prune: the list entry, `st`, getrefcount's argument
-        st = ent[0]
-        return sys.getrefcount(st)
-
-
-_ALIVE_REFS = _alive_refs()
-
-
+# ---- the measurement --------------------------------------------------------------------------------
 @dataclass
 class Launch:
     kernel: str
-    peak_sbuf: int
-    peak_psum: int
+    peak_sbuf: int  # bytes per partition
+    peak_psum: int  # bytes per partition of whole PSUM banks (peak_banks x 2 KiB)
     peak_banks: int
 
 
 @contextmanager
 def measuring():
-    """Within the block, every nki_sim kernel launch appends a `Launch` to the yielded list."""
+    """Within the block, every nki_sim kernel launch appends a `Launch` to the yielded list: the largest
+    peaks over the programs of its grid, as the simulator's own footprint rule (`nki_sim._rules.Footprint`,
+    R8) counted them. The rule's refusal is off inside the block (`measure_only`) so that an
+    over-budget kernel runs to completion and its peak can be reported."""
     from v4flash_backend.kernels import _nki
 
     if not _nki.USING_SIMULATOR:
         raise RuntimeError("footprint measurement needs the nki_sim simulator (V4FLASH_NKI=sim)")
     import nki_sim._runtime as R
-
-    tracker = _Tracker()
-    launches: list[Launch] = []
-    orig_alloc, orig_launch = R.alloc, R.launch
-
-    def alloc(shape, dtype, buffer, name=""):
-        t = orig_alloc(shape, dtype, buffer, name)
-        if buffer.on_chip:
-            per_part = math.prod(t.shape[1:]) * t.dtype.itemsize
-            cur = R._current
-            tracker.add(t._st, per_part, buffer.name, (id(cur), cur.pid if cur else None))
-        return t
-
-    def launch(fn, grid, args, kwargs):
-        tracker.reset()
-        tracker.program = None
-        try:
-            return orig_launch(fn, grid, args, kwargs)
-        finally:
-            tracker.live.clear()
-            launches.append(Launch(getattr(fn, "__name__", "kernel"), tracker.peak_sbuf, tracker.peak_psum,
-                                   tracker.peak_banks))
-
     from nki_sim._rules import measure_only
 
-    R.alloc, R.launch = alloc, launch
+    launches: list[Launch] = []
+    orig_launch = R.launch
+
+    def launch(fn, grid, args, kwargs):
+        R.last_peaks = []
+        try:
+            return orig_launch(fn, grid, args, kwargs)
+        finally:  # a launch that raised reports the programs that finished
+            sbuf = max((p[0] for p in R.last_peaks), default=0)
+            banks = max((p[1] for p in R.last_peaks), default=0)
+            launches.append(Launch(getattr(fn, "__name__", "kernel"), sbuf, banks * PSUM_BANK, banks))
+
+    R.launch = launch
     try:
-        with measure_only():  # over-budget kernels run to completion so their peaks can be reported
+        with measure_only():
             yield launches
     finally:
-        R.alloc, R.launch = orig_alloc, orig_launch
+        R.launch = orig_launch
 
 
 # ---- the release-shape kernel check -----------------------------------------------------------------
@@ -233,7 +169,7 @@ def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]
                     err = None
                     try:
                         getattr(ops, op)(*args, **kw)
-                    except Exception as e:  # the simulator refused the launch
+                    except Exception as e:  # noqa: BLE001 - any refusal of the simulator is a result
                         err = f"{type(e).__name__}: {str(e)[:200]}"
                     dt = time.perf_counter() - t0
                     for la in launches[n0:] or [Launch(op, 0, 0, 0)]:
@@ -265,3 +201,31 @@ def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]
                 f"(budget {SBUF_BUDGET // 1024}) peak_psum_kib={r.peak_psum / 1024:.1f} banks={r.peak_banks}/"
                 f"{PSUM_BANKS} worst={r.worst} {r.seconds:.1f}s")
     return out
+
+
+# ---- the linears at a prefill row block ---------------------------------------------------------------
+def linear_block_calls(rows: int = 512, n: int = 2048) -> dict:
+    """Op calls of the linears at the release's contraction sizes with `rows` rows (the kernels' 512-row
+    x^T block is the most a prefill chunk puts in SBUF at once) and `n` output columns (2 column blocks per
+    program of the LNC=2 grid; the footprint does not grow with N past that): DSpark main_proj (fp8,
+    K = 15360), the shared expert / attention projections (fp8, K = 5120), the routed experts (fp4), the
+    bf16 compressor and grouped wo_a projections, the fp32 head shard."""
+    def t(shape, dt):
+        return ("T", tuple(shape), dt)
+
+    return {
+        "linear_fp8": {(t((rows, k), "bfloat16"), t((n, k), "float8_e4m3fn"), t((n // 32, k // 32), "float8_e8m0fnu"))
+                       for k in (15360, 5120)},
+        "linear_fp4": {(t((rows, 5120), "bfloat16"), t((n, 2560), "int8"), t((n, 160), "float8_e8m0fnu"))},
+        "linear_bf16": {(t((rows, 5120), "bfloat16"), t((n, 5120), "bfloat16")),
+                        (t((rows, 1, 4096), "bfloat16"), t((1, 1024, 4096), "bfloat16"))},
+        "linear_f32": {(t((rows, 5120), "float32"), t((n, 5120), "float32"))},
+    }
+
+
+if __name__ == "__main__":  # python -m v4flash_backend.checks.footprint [rows]: the linears at a row block
+    import sys
+
+    res = check_kernels(linear_block_calls(int(sys.argv[1]) if len(sys.argv) > 1 else 512),
+                        log=lambda s: None if "unmeasured" in s else print(s, flush=True))
+    sys.exit(0 if all(r.ok for r in res if r.launches) else 1)

@@ -15,22 +15,25 @@ a process group:
    `placement_gib` is `parallel.placement`'s figure for that rank (weights + caches). Every loaded
    tensor's shape and dtype must also equal what the placement rule predicts.
 2. **graphs** -- the loaded weights are moved to the meta device (the real ones are freed) and the
-   static step's verify graph (every bucket: sequences x context bound) and DSpark draft graph
-   (every sequence count) are traced on the meta device: every op computes its output's shape and
-   dtype, nothing else (no compute, no memory). A shape error, a data-dependent op (`.item()`,
-   `.tolist()`, `nonzero`, `bool()` of a tensor all raise on meta: what would be a graph break or a
-   host sync under torch.compile) or a host sync seen by `static_step.HostSyncCounter` fails the
-   graph. (make_fx over FakeTensorMode captures the same graph but takes ~2 min per release-size
-   verify graph here, against ~10 s; `tests/test_static_step.py` already compiles the same code
-   with fullgraph=True at tiny dims, which is where Python-level graph breaks would show.) The ops run on the torch backend with 'reference'
+   static step's verify graph (every bucket: sequences x context bound), DSpark draft graph (every
+   sequence count) and prefill graph (every prefill bucket `trn2.neuron.StaticRunner` builds for the
+   served `prefill_chunk`: one sequence x 16 ... prefill_chunk rows x context bound) are traced on the
+   meta device: every op computes its output's shape and dtype, nothing else (no compute, no memory).
+   A shape error, a data-dependent op (`.item()`, `.tolist()`, `nonzero`, `bool()` of a tensor all
+   raise on meta: what would be a graph break or a host sync under torch.compile) or a host sync seen
+   by `static_step.HostSyncCounter` fails the graph. (make_fx over FakeTensorMode captures the same
+   graph but takes ~2 min per release-size verify graph here, against ~10 s;
+   `tests/test_static_step.py` already compiles the same code with fullgraph=True at tiny dims, which
+   is where Python-level graph breaks would show.) The ops run on the torch backend with 'reference'
    numerics, as a Neuron rank does (`trn2.neuron.neuron_env`); collectives keep the shapes of the
-   W-rank ones (`all_gather` of the vocab shards, partial sums before the all-reduce). The tree has
-   no static prefill graph (prefill runs eagerly through the same ops), so none is traced.
-3. **kernels** -- every op call the one-sequence buckets' graphs make is recorded (op, argument
-   shapes/dtypes: the release shapes with a small row count, 5-6 rows); each distinct call then
-   runs its NKI kernel under the simulator through the `nki-sim` ops backend (launch grid 2, the
-   LNC of a trn2 rank), and the live SBUF and PSUM bytes per partition are measured (`footprint`). A kernel is ok when all its launches
-   succeed within 192 KiB of SBUF and 16 KiB (8 banks) of PSUM per partition.
+   W-rank ones (`all_gather` of the vocab shards, partial sums before the all-reduce).
+3. **kernels** -- every op call the one-sequence decode buckets' graphs and the fewest-rows prefill
+   buckets' graphs make is recorded (op, argument shapes/dtypes: the release shapes with a small row
+   count, 5-6 rows per decode step, 16 per prefill chunk); each distinct call then runs its NKI kernel
+   under the simulator through the `nki-sim` ops backend (launch grid 2, the LNC of a trn2 rank), and
+   the live SBUF and PSUM bytes per partition are measured (`footprint`, the simulator's own accounting).
+   A kernel is ok when all its launches succeed within 192 KiB of SBUF and 16 KiB (8 banks) of PSUM per
+   partition. One `kernel ...` line per call and one `kernel-footprint ...` line per kernel are printed.
 
 The last line is
 `release-check: rank=<R> loaded_gib=<x> placement_gib=<y> graphs_traced=<n> kernels_ok=<k>/<K> max_sbuf_kib=<s>`.
@@ -239,16 +242,31 @@ def load_rank(ckpt: Path, cfg: ModelConfig, lay: Layout, max_num_seqs: int,
     return model, rep
 
 
+def _corners(allb):
+    seqs = {min(b.seqs for b in allb), max(b.seqs for b in allb)}
+    rows = {min(b.rows for b in allb), max(b.rows for b in allb)}
+    ctxs = {min(b.ctx for b in allb), max(b.ctx for b in allb)}
+    return [b for b in allb if b.seqs in seqs and b.rows in rows and b.ctx in ctxs]
+
+
 def select_buckets(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, which: str = "all"):
+    """The decode buckets serving compiles (`trn2.neuron.decode_buckets`), or their corners."""
     from v4flash_backend.trn2.neuron import decode_buckets
 
     rows = 1 + (cfg.dspark_block_size or 0)
     allb = decode_buckets(max_num_seqs, max_model_len, rows)
-    if which == "all":
-        return allb
-    seqs = {min(b.seqs for b in allb), max(b.seqs for b in allb)}
-    ctxs = {min(b.ctx for b in allb), max(b.ctx for b in allb)}
-    return [b for b in allb if b.seqs in seqs and b.ctx in ctxs]
+    return allb if which == "all" else _corners(allb)
+
+
+def select_prefill_buckets(prefill_chunk: int, max_model_len: int, which: str = "all"):
+    """The prefill buckets serving compiles for `prefill_chunk` (`trn2.neuron.prefill_buckets`: one
+    sequence, 16 ... prefill_chunk rows x every context bound), or their corners; none for 0."""
+    from v4flash_backend.trn2.neuron import prefill_buckets
+
+    if not prefill_chunk:
+        return []
+    allb = prefill_buckets(prefill_chunk, max_model_len)
+    return allb if which == "all" else _corners(allb)
 
 
 def to_meta(model) -> None:
@@ -366,25 +384,39 @@ class _OpRecorder:
 
 def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
                  recorder: _OpRecorder | None = None, buckets=None, kernel_seqs: int = 1,
-                 log=None) -> list[GraphResult]:
-    """Trace every bucket's verify graph and every sequence count's draft graph on the meta device
-    (see the module docstring); op calls of the buckets with `kernel_seqs` sequences are recorded."""
+                 log=None, prefill=None) -> list[GraphResult]:
+    """Trace every bucket's verify graph, every sequence count's draft graph and every prefill bucket's
+    graph (`prefill`: buckets of `select_prefill_buckets`) on the meta device (see the module
+    docstring). Op calls are recorded for the decode buckets with `kernel_seqs` sequences and for the
+    prefill buckets with the fewest rows."""
     from v4flash_backend.trn2.neuron import decode_buckets
     from v4flash_backend.trn2.static_step import StaticDecoder
 
     rows = 1 + (cfg.dspark_block_size or 0)
+    prefill = list(prefill or [])
+    p_rows = max((b.rows for b in prefill), default=0)
     num_slots = max_num_seqs + 1
-    n_pos = max_model_len + max(rows, cfg.dspark_block_size) + 1
-    for rope in model.ropes.values():  # the static step's rope tables, moved to meta one at a time
+    n_pos = max_model_len + max(rows, p_rows, cfg.dspark_block_size) + 1
+    for rope in model.ropes.values():  # the static steps' rope tables, moved to meta one at a time
         rope.at(torch.tensor([n_pos - 1]))
         rope._table = rope._table.to("meta")
     with torch.device("meta"):
         state = ModelState(cfg, num_slots, max_model_len)
     dec = StaticDecoder(model, state, scratch=max_num_seqs, max_rows=rows)
+    # the prefill graphs' decoder, as `trn2.neuron.StaticRunner` builds it (same state, prefill rows)
+    pdec = StaticDecoder(model, state, scratch=max_num_seqs, max_rows=p_rows, prefill=True) if prefill else None
     buckets = buckets or decode_buckets(max_num_seqs, max_model_len, rows)
+    p_kernel_rows = min((b.rows for b in prefill), default=0)
     recorder = recorder or _OpRecorder()
     results = []
     draft_done = set()
+
+    def run(name, fn):
+        res = trace_one(name, fn)
+        results.append(res)
+        if log:
+            log(f"graph {res.name}: {'ok' if res.ok else 'FAILED'} ops={res.ops} {res.seconds:.1f}s {res.error}")
+
     with recorder.active():
         for b in buckets:
             recorder.on = b.seqs == kernel_seqs
@@ -393,16 +425,16 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
                 taps = torch.zeros(b.seqs * b.rows, len(cfg.dspark_target_layer_ids) * cfg.dim,
                                    dtype=torch.bfloat16)
             plan = (tokens, slot, start, n)
-            graphs = [(f"verify {b}", lambda b=b, p=plan: dec.verify(*p, b.ctx))]
+            run(f"verify {b}", lambda b=b, p=plan: dec.verify(*p, b.ctx))
             if dec.drafter is not None and (b.seqs, b.rows) not in draft_done:
                 draft_done.add((b.seqs, b.rows))
-                graphs.append((f"draft S={b.seqs} Q={b.rows}",
-                               lambda p=plan, taps=taps: dec.draft(taps, p[3], p[1], p[2], p[0][:, 0])))
-            for name, fn in graphs:
-                res = trace_one(name, fn)
-                results.append(res)
-                if log:
-                    log(f"graph {res.name}: {'ok' if res.ok else 'FAILED'} ops={res.ops} {res.seconds:.1f}s {res.error}")
+                run(f"draft S={b.seqs} Q={b.rows}",
+                    lambda p=plan, taps=taps: dec.draft(taps, p[3], p[1], p[2], p[0][:, 0]))
+        for b in prefill:
+            recorder.on = b.rows == p_kernel_rows
+            with torch.device("meta"):
+                plan = pdec.padding_plan(1, b.rows)
+            run(f"prefill {b}", lambda b=b, p=plan: pdec.verify(*p, b.ctx))
     from v4flash_backend.ops import torch_ops
 
     torch_ops._cache._d.clear()  # dequantized meta weights of the trace
@@ -411,9 +443,16 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
 
 # ---- the command ------------------------------------------------------------------------------------
 def release_check(config: str, world: int, rank: int, checkpoint: str | None = None, max_model_len: int = 65536,
-                  max_num_seqs: int = 8, buckets: str = "all", kernels: bool = True, log=print):
+                  max_num_seqs: int = 8, buckets: str = "all", kernels: bool = True, log=print,
+                  prefill_chunk: int | None = None):
     """Run the three checks; returns (ok, final line). `buckets` 'all' (what serving compiles) or
-    'corners' (fewest / most sequences x shortest / longest context: the test's subset)."""
+    'corners' (fewest / most sequences (rows for prefill) x shortest / longest context: the test's
+    subset). `prefill_chunk`: the served setting the prefill graphs follow (None: its default; 0: no
+    prefill graphs)."""
+    if prefill_chunk is None:
+        from v4flash_backend.settings import Settings
+
+        prefill_chunk = Settings().prefill_chunk
     cfg = ModelConfig.release() if config == "release" else ModelConfig.from_json(config)
     lay = Layout(rank, world)
     ops.set_backend("torch")
@@ -438,7 +477,8 @@ def release_check(config: str, world: int, rank: int, checkpoint: str | None = N
         to_meta(model)
         rec = _OpRecorder()
         graphs = trace_graphs(model, cfg, max_num_seqs, max_model_len, rec,
-                              select_buckets(cfg, max_num_seqs, max_model_len, buckets), log=log)
+                              select_buckets(cfg, max_num_seqs, max_model_len, buckets), log=log,
+                              prefill=select_prefill_buckets(prefill_chunk, max_model_len, buckets))
         del model
         gc.collect()
         kres = footprint.check_kernels(rec.calls, log=log) if kernels else []
@@ -470,6 +510,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--buckets", default="all", choices=["all", "corners"],
                         help="all: every bucket serving compiles; corners: 1 and max_num_seqs sequences x the "
                              "shortest and longest context bound")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prompt rows per prefill graph, as the served prefill_chunk setting (default: its "
+                             "default); 0: trace no prefill graphs")
     parser.add_argument("--no-kernels", dest="kernels", action="store_false",
                         help="skip the kernel check (kernels_ok=0/0)")
 
@@ -477,7 +520,8 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
     ok, final = release_check(args.config, args.world_size, args.rank, args.checkpoint, args.max_model_len,
-                              args.max_num_seqs, args.buckets, args.kernels, log=lambda s: print(s, flush=True))
+                              args.max_num_seqs, args.buckets, args.kernels, log=lambda s: print(s, flush=True),
+                              prefill_chunk=args.prefill_chunk)
     print(final, flush=True)
     return 0 if ok else 1
 

@@ -27,6 +27,8 @@ FP8_MAX = 448.0
 FP8_MAX_INV = 1.0 / 448.0  # rounded to fp32 as an operand: the reference multiplies by float32(1/448)
 AMAX_FLOOR = 1e-4
 MB = 512  # x rows whose transposes stay in SBUF while every weight block of the column range streams by
+XT_BUDGET = 64 * 1024  # bytes per partition for that x^T block (fewer rows at large K, see m_block)
+KT = 2048  # K columns of x / the weights brought on chip at once (a multiple of 128: PE chunks, 32-groups)
 QB = 32  # quantization group (activations 1x32, weights 32x32 for fp8, 1x32 for fp4)
 CH = 512  # columns decoded / fake-quantized per step: bounds the fp32 temporaries in SBUF
 
@@ -108,19 +110,21 @@ def _scales(dst_f32, src_u8_view, n, cols):
     e8m0_to_f32(dst_f32, si[0:n])
 
 
-def _fp8_rows(weight, scale, k):
-    """Loader of weight rows [r0, r0+n): e4m3fn bytes (uint8) decoded exactly to fp32, times the 32x32 ue8m0
-    tile scales (bytes too), rounded once to bf16 (exact: an e4m3 value times a power of two fits bf16)."""
-    kb = k // QB
+def _fp8_rows(weight, scale):
+    """Loader of weight rows [r0, r0+n), columns [k0, k0+k): e4m3fn bytes (uint8) decoded exactly to fp32,
+    times the 32x32 ue8m0 tile scales (bytes too), rounded once to bf16 (exact: an e4m3 value times a power
+    of two fits bf16). k0 and k are multiples of 32, so a K tile holds whole scale tiles."""
 
-    def load(r0, n):
+    def load(r0, n, k0, k):
+        kb = k // QB
         wb = nl.ndarray((P, k), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
+        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, k0:k0 + k])
         sb = nl.ndarray((P, kb), dtype=nl.uint8, buffer=nl.sbuf)
         for g in range(cdiv(n, QB)):  # one scale row per 32 weight rows, broadcast to those partitions (DMA)
             gn = min(QB, n - g * QB)
             nisa.dma_copy(dst=sb[g * QB:g * QB + gn],
-                          src=scale.ap(pattern=[[0, gn], [1, kb]], offset=(r0 // QB + g) * scale.shape[1]))
+                          src=scale.ap(pattern=[[0, gn], [1, kb]],
+                                       offset=(r0 // QB + g) * scale.shape[1] + k0 // QB))
         sc = nl.ndarray((P, kb), dtype=nl.float32, buffer=nl.sbuf)
         _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -139,23 +143,24 @@ def _fp8_rows(weight, scale, k):
     return load
 
 
-def _fp4_rows(weight, scale, k):
+def _fp4_rows(weight, scale):
     """Loader of MXFP4 rows: two e2m1 codes per byte (even element in the low nibble), code = sign bit 3 +
     magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}, times one ue8m0 scale (byte) per 32 elements; the
     product rounds once to bf16 (exact)."""
-    kb, kh = k // QB, k // 2
     f32, u8 = nl.float32, nl.uint8
 
-    def load(r0, n):
+    def load(r0, n, k0, k):
+        kb, kh = k // QB, k // 2
         wb = nl.ndarray((P, kh), dtype=nl.int8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, :])
+        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, k0 // 2:(k0 + k) // 2])
         wu = wb.view(u8)
         codes = nl.ndarray((P, kh, 2), dtype=u8, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=codes[0:n, :, 0], data=wu[0:n], op0=nl.bitwise_and, operand0=0xF)
         nisa.tensor_scalar(dst=codes[0:n, :, 1], data=wu[0:n], op0=nl.right_shift, operand0=4)
         cf = codes[0:n].reshape((n, k))
         sb = nl.ndarray((P, kb), dtype=u8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sb[0:n], src=scale[r0:r0 + n, :])  # ue8m0 bytes (uint8: no e8m0 tiles on trn2)
+        # ue8m0 bytes (uint8: no e8m0 tiles on trn2) of the K tile's 32-groups
+        nisa.dma_copy(dst=sb[0:n], src=scale[r0:r0 + n, k0 // QB:(k0 + k) // QB])
         sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
         _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -188,48 +193,71 @@ def _fp4_rows(weight, scale, k):
     return load
 
 
-def _plain_rows(weight, k, dtype):
-    def load(r0, n):
+def _plain_rows(weight, dtype):
+    def load(r0, n, k0, k):
         w = nl.ndarray((P, k), dtype=dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w[0:n], src=weight[r0:r0 + n, :])
+        nisa.dma_copy(dst=w[0:n], src=weight[r0:r0 + n, k0:k0 + k])
         return w
 
     return load
 
 
+def m_block(k, itemsize):
+    """Rows of x whose K-long transposes stay in SBUF together: MB, or fewer (whole 128-row tiles) when
+    x^T [K/128 chunks, rows] would pass XT_BUDGET bytes per partition (at K = 15360 bf16: 256 rows)."""
+    per_row = cdiv(k, P) * itemsize
+    return max(P, min(MB, XT_BUDGET // per_row // P * P))
+
+
 def _linear(x, out, load_rows, quant, cdt):
-    """Shared GEMM schedule. x [M, K] in HBM; out [M, N]; load_rows(r0, n) -> SBUF [P, K] of dtype cdt."""
+    """Shared GEMM schedule, tiled along K. x [M, K] in HBM; out [M, N]; load_rows(r0, n, k0, kw) -> SBUF
+    [P, kw] of dtype cdt: weight rows [r0, r0+n), columns [k0, k0+kw).
+
+    Per row block (`m_block` rows): x streams in KT-column tiles (DMA, act_qdq, Tensor Engine transposes)
+    into the block's x^T [K/128 chunks, rows], the only K-long tile. Per 512-column block of the
+    program's columns: one PSUM accumulator (fp32, one bank) per 128-row tile of the block stays live
+    across the whole K loop, and the weights stream in KT-column tiles (DMA, decode, transposes to
+    w^T [KT/128, 512]) that every row tile then multiplies into its accumulator. Each output is still
+    one fp32 PSUM accumulation over the 128-row K chunks in ascending order, rounded once: the same
+    sums as the untiled schedule, bit for bit. Weights are read once per row block."""
     m_total, k = x.shape
     n0, n1 = _col_range(out.shape[1])
     if n0 >= n1:
         return
+    assert KT % P == 0 and KT % QB == 0  # a K tile never splits a PE chunk or a quantization group
     kc_n = cdiv(k, P)
-    for mb0 in range(0, m_total, MB):
-        mbs = min(MB, m_total - mb0)
+    mb = m_block(k, 4 if cdt == nl.float32 else 2)
+    k_tiles = [(k0, min(KT, k - k0)) for k0 in range(0, k, KT)]
+    for mb0 in range(0, m_total, mb):
+        mbs = min(mb, m_total - mb0)
         m_tiles = [(mt * P, min(P, mbs - mt * P)) for mt in range(cdiv(mbs, P))]
         xT = nl.ndarray((P, kc_n, mbs), dtype=cdt, buffer=nl.sbuf)
         for mo, msz in m_tiles:
-            xt = nl.ndarray((P, k), dtype=cdt, buffer=nl.sbuf)
-            nisa.dma_copy(dst=xt[0:msz], src=x[mb0 + mo:mb0 + mo + msz, :])
-            xs = act_qdq(xt, msz, k) if quant else xt
-            for kc in range(kc_n):
-                ks = min(P, k - kc * P)
-                transpose(xT[0:ks, kc, mo:mo + msz], xs[0:msz, kc * P:kc * P + ks])
+            for k0, kw in k_tiles:
+                xt = nl.ndarray((P, kw), dtype=cdt, buffer=nl.sbuf)
+                nisa.dma_copy(dst=xt[0:msz], src=x[mb0 + mo:mb0 + mo + msz, k0:k0 + kw])
+                xs = act_qdq(xt, msz, kw) if quant else xt  # 32-column groups: K tiles are multiples of 32
+                for c in range(cdiv(kw, P)):
+                    ks = min(P, kw - c * P)
+                    transpose(xT[0:ks, k0 // P + c, mo:mo + msz], xs[0:msz, c * P:c * P + ks])
         for nb0 in range(n0, n1, PSUM_N):
             nbs = min(PSUM_N, n1 - nb0)
-            wT = nl.ndarray((P, kc_n, nbs), dtype=cdt, buffer=nl.sbuf)
-            for no in range(0, nbs, P):
-                nsz = min(P, nbs - no)
-                wd = load_rows(nb0 + no, nsz)
-                for kc in range(kc_n):
-                    ks = min(P, k - kc * P)
-                    transpose(wT[0:ks, kc, no:no + nsz], wd[0:nsz, kc * P:kc * P + ks])
-            for mo, msz in m_tiles:
-                ps = nl.ndarray((P, nbs), dtype=nl.float32, buffer=nl.psum)
-                for kc in range(kc_n):
-                    ks = min(P, k - kc * P)
-                    nisa.nc_matmul(dst=ps[0:msz, 0:nbs], stationary=xT[0:ks, kc, mo:mo + msz],
-                                   moving=wT[0:ks, kc, 0:nbs], accumulate=kc > 0)
+            acc = [nl.ndarray((P, nbs), dtype=nl.float32, buffer=nl.psum) for _ in m_tiles]
+            for k0, kw in k_tiles:
+                kcs = cdiv(kw, P)
+                wT = nl.ndarray((P, kcs, nbs), dtype=cdt, buffer=nl.sbuf)
+                for no in range(0, nbs, P):
+                    nsz = min(P, nbs - no)
+                    wd = load_rows(nb0 + no, nsz, k0, kw)
+                    for c in range(kcs):
+                        ks = min(P, kw - c * P)
+                        transpose(wT[0:ks, c, no:no + nsz], wd[0:nsz, c * P:c * P + ks])
+                for (mo, msz), ps in zip(m_tiles, acc):
+                    for c in range(kcs):
+                        kc, ks = k0 // P + c, min(P, kw - c * P)
+                        nisa.nc_matmul(dst=ps[0:msz, 0:nbs], stationary=xT[0:ks, kc, mo:mo + msz],
+                                       moving=wT[0:ks, c, 0:nbs], accumulate=kc > 0)
+            for (mo, msz), ps in zip(m_tiles, acc):
                 o = nl.ndarray((P, nbs), dtype=out.dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(dst=o[0:msz, 0:nbs], src=ps[0:msz, 0:nbs])
                 nisa.dma_copy(dst=out[mb0 + mo:mb0 + mo + msz, nb0:nb0 + nbs], src=o[0:msz, 0:nbs])
@@ -243,7 +271,7 @@ def linear_fp8_kernel(x, weight, scale):
     n = weight.shape[0]
     assert k % QB == 0 and weight.shape[1] == k and scale.shape == (cdiv(n, QB), k // QB)
     out = nl.ndarray((m, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-    _linear(x, out, _fp8_rows(weight, scale, k), True, nl.bfloat16)
+    _linear(x, out, _fp8_rows(weight, scale), True, nl.bfloat16)
     return out
 
 
@@ -254,7 +282,7 @@ def linear_fp4_kernel(x, weight, scale):
     n = weight.shape[0]
     assert k % QB == 0 and weight.shape[1] * 2 == k and scale.shape == (n, k // QB)
     out = nl.ndarray((m, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-    _linear(x, out, _fp4_rows(weight, scale, k), True, nl.bfloat16)
+    _linear(x, out, _fp4_rows(weight, scale), True, nl.bfloat16)
     return out
 
 
@@ -264,7 +292,7 @@ def linear_bf16_kernel(x, weight):
     m, k = x.shape
     assert weight.shape[1] == k
     out = nl.ndarray((m, weight.shape[0]), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-    _linear(x, out, _plain_rows(weight, k, nl.bfloat16), False, nl.bfloat16)
+    _linear(x, out, _plain_rows(weight, nl.bfloat16), False, nl.bfloat16)
     return out
 
 
@@ -274,7 +302,7 @@ def linear_f32_kernel(x, weight):
     m, k = x.shape
     assert weight.shape[1] == k
     out = nl.ndarray((m, weight.shape[0]), dtype=nl.float32, buffer=nl.shared_hbm)
-    _linear(x, out, _plain_rows(weight, k, nl.float32), False, nl.float32)
+    _linear(x, out, _plain_rows(weight, nl.float32), False, nl.float32)
     return out
 
 
@@ -287,5 +315,5 @@ def linear_bf16_grouped_kernel(x, weight):
     n = weight.shape[1]
     out = nl.ndarray((m, g_n, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     for g in range(g_n):
-        _linear(x[:, g, :], out[:, g, :], _plain_rows(weight[g], k, nl.bfloat16), False, nl.bfloat16)
+        _linear(x[:, g, :], out[:, g, :], _plain_rows(weight[g], nl.bfloat16), False, nl.bfloat16)
     return out

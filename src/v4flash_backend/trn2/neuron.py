@@ -185,6 +185,18 @@ def decode_buckets(max_num_seqs: int, max_model_len: int, rows: int, min_ctx: in
             for L in bucket_sizes(max_model_len, min(min_ctx, max_model_len))]
 
 
+MAX_PREFILL_ROWS = 4096  # the port's prompt segment
+
+
+def prefill_buckets(prefill_rows: int, max_model_len: int) -> list[Bucket]:
+    """The prefill graphs' buckets: one sequence's chunk of up to `prefill_rows` rows (<= 4096, and never more
+    than the context), padded into the next power-of-two row count from 16, x the context bounds of the
+    decode buckets."""
+    prefill_rows = min(prefill_rows, MAX_PREFILL_ROWS, max_model_len)
+    return [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
+            for L in bucket_sizes(max_model_len, min(256, max_model_len))]
+
+
 class _Progress:
     def __init__(self, total: int, out, width: int = 24):
         self.total, self.out, self.width, self.t0 = total, out, width, time.perf_counter()
@@ -393,10 +405,9 @@ class StaticRunner(LocalRunner):
         # port's 4096-token segment), padded into the next power-of-two row bucket
         self.pgraphs = None
         if prefill_rows:
-            prefill_rows = min(prefill_rows, 4096, max_len)  # a chunk never exceeds the context
-            self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=prefill_rows, prefill=True)
-            pb = [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
-                  for L in bucket_sizes(max_len, min(256, max_len))]
+            pb = prefill_buckets(prefill_rows, max_len)
+            self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
+                                          prefill=True)
             self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0)
 
