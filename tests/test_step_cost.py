@@ -90,6 +90,16 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
         return dsp(writes, items)
 
     eng.runner.dspark = dspark
+    probes, real_draft = [], eng._draft
+
+    def draft(writes, seqs, decision="draft"):  # a probe's block must renew the survivals the next decision reads
+        real_draft(writes, seqs, decision)
+        if decision == "probe":
+            for s in seqs:
+                c = eng.calib.cal.confidence(s.conf_logits[None], ["greedy"])
+                probes.append((s.last_surv, torch.cumprod(c.double(), 1)[0].tolist()))
+
+    eng._draft = draft
     ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True))
     st = eng.stats()
     assert [t for e in ev for t in e.token_ids] == plain
@@ -100,6 +110,7 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
     aside = [c for c in calls[1:-1] if not c[2]]
     assert len(aside) == st["draft_skipped"] and all(c == [False, 0, False] for c in aside)
     assert st["ring_rows_skipped"] >= len(aside) and calls[0][0] and calls[0][1] == len(prompt)
+    assert len(probes) == st["draft_probes"] and all(a == pytest.approx(b) for a, b in probes)
 
 
 def test_engine_keeps_drafting_where_drafts_are_accepted():

@@ -585,17 +585,21 @@ class Engine:
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
         conf_logits = self._confidence_logits(out, block)
+        c = None
+        if self.adaptive and self.cfg.spec_mode == "dspark":
+            # every drafted block's calibrated survivals, a probe's included: the next step's decision
+            # to step aside reads them (a probe that left them stale kept a request aside for good)
+            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+            for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
+                s.last_surv = a
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
             ell = admit_fixed(len(seqs), 1, self.gamma)
             self.totals["draft_probes"] += 1
         else:
-            if self.adaptive:
-                c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+            if c is not None:
                 ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
-                for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
-                    s.last_surv = a
             else:  # the head as it is and the forward's steps/s: what the static rounds compute
                 ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward)
         ell = torch.minimum(ell, room)
