@@ -1,7 +1,7 @@
 """Plain decoding vs DSpark vs fixed-5 speculation, interleaved and repeated, over many prompts.
 
     .venv/bin/python perf/bench_dspark.py [--checkpoint DIR] [--prompts FILE] [--rounds 3]
-                                          [--batches 1,8] [--temps 0,1] [--max-tokens 48]
+                                          [--batches 1,8] [--temps 0,1] [--max-tokens 48] [--oracle]
 
 Each (batch, temperature) cell runs the three modes in interleaved rounds (plain, dspark, fixed,
 plain, dspark, fixed, ...; the order rotates every round so no mode always runs first), each over
@@ -40,7 +40,7 @@ from v4flash_backend.settings import Settings  # noqa: E402
 
 MODES = ("off", "dspark", "fixed")
 CKPT = [None]  # the checkpoint directory (its dspark_calibration.json is loaded by the engine)
-NAMES = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5"}
+NAMES = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5", "oracle": "oracle"}
 
 
 def default_checkpoint() -> Path:
@@ -86,26 +86,66 @@ def load_prompts(ckpt: Path, model, n: int, prompts_file: Path | None) -> tuple[
             f"{n} random prompts")
 
 
+class OracleEngine(Engine):
+    """DSpark with a perfect confidence head (greedy only, a bound, not a lossless scheduler): c_k = 1
+    exactly when draft k matches the plain greedy continuation (known from a plain run of the same
+    prompt), else 0, with the calibration off. Admission, the step cost and stepping aside are the
+    engine's own, so this measures what admission could reach with a head that ranks perfectly."""
+
+    reference: dict  # request id -> plain greedy output tokens
+
+    def _draft(self, writes, seqs, decision="draft"):
+        self._seqs = seqs
+        return super()._draft(writes, seqs, decision)
+
+    def _confidence_logits(self, out, block):
+        G = block.tokens.shape[1]
+        logits = torch.full((len(self._seqs), G), -30.0)
+        for i, s in enumerate(self._seqs):
+            ref = self.reference[s.req.id]
+            for k in range(G):  # draft k predicts output token n_out + k
+                if s.n_out + k >= len(ref) or int(block.tokens[i, k]) != ref[s.n_out + k]:
+                    break
+                logits[i, k] = 30.0
+        return logits
+
+
 def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
-        adaptive: bool = True) -> dict:
-    """All prompts in groups of `batch` concurrent requests; totals over the groups."""
+        adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
+        steps: list | None = None) -> dict:
+    """All prompts in groups of `batch` concurrent requests; totals over the groups. mode "oracle":
+    OracleEngine with `reference` (plain greedy outputs per prompt); `outputs` collects the tokens,
+    `steps` the decode steps' (measured, modelled) seconds."""
     tokens = seconds = 0.0
     acc_v = acc_s = 0
     for g0 in range(0, len(prompts), batch):
         group = prompts[g0:g0 + batch]
         runner = LocalRunner(model, len(group) + 1, max(len(p) for p in group) + max_tokens + 16)
-        eng = Engine(runner, Settings(max_num_seqs=len(group), max_model_len=runner.state.max_len - 8,
-                                      spec_mode=mode, dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0])))
+        oracle = mode == "oracle"
+        eng = (OracleEngine if oracle else Engine)(runner, Settings(
+            max_num_seqs=len(group), max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
+            dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
         eng.cost = cost
+        if oracle:
+            eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
+            eng.reference = {f"p{g0 + i}": reference[g0 + i] for i in range(len(group))}
         done = []
         reqs = [GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=seed + g0 + i,
-                                ignore_eos=True, callback=lambda e, d=done: e.final and d.append(1))
+                                ignore_eos=True, id=f"p{g0 + i}",
+                                callback=lambda e, d=done, j=g0 + i: (outputs is not None and outputs[j].extend(
+                                    e.token_ids), e.final and d.append(1)))
                 for i, p in enumerate(group)]
         t0 = time.perf_counter()
         for r in reqs:
             eng.submit(r)
         while len(done) < len(reqs):
+            # decode-only steps: (measured seconds, the step-cost model's t_forward(B) + t_draft(R))
+            dec = eng.running and not any(s.prefilling for s in eng.running) and mode != "off"
+            B, drafted0, ts = sum(1 + s.ell for s in eng.running), eng.totals["drafted"], time.perf_counter()
             eng.step()
+            if dec and steps is not None:
+                R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
+                steps.append((time.perf_counter() - ts, float(cost.t_forward(B)) + cost.t_draft(R)))
         seconds += time.perf_counter() - t0
         st = eng.stats()
         tokens += st["output_tokens"]
@@ -128,6 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--oracle", action="store_true",
+                    help="at T = 0 also run DSpark with a perfect confidence head (OracleEngine): the bound "
+                         "admission could reach")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, no stepping aside)")
     args = ap.parse_args(argv)
@@ -150,21 +193,42 @@ def main(argv=None) -> int:
     print(f"step cost: {cost}")
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None
+    reference = None
+    if args.oracle and 0.0 in temps:  # plain greedy outputs (exact numerics: independent of the batch)
+        reference = [[] for _ in prompts]
+        run(model, "off", prompts, max(batches), args.max_tokens, 0.0, cost, 0, outputs=reference)
     for b in batches:
         for t in temps:
-            res = {m: [] for m in MODES}
+            modes = MODES + (("oracle",) if reference is not None and t == 0 else ())
+            res = {m: [] for m in modes}
+            steps: dict[str, list] = {}
             for rnd in range(args.rounds):
-                order = MODES[rnd % 3:] + MODES[:rnd % 3]
+                order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
                 for m in order:
-                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd, args.adaptive))
+                    outs = [[] for _ in prompts] if m == "oracle" else None
+                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd, args.adaptive,
+                                      reference, outs, steps.setdefault(m, [])))
+                    if outs is not None and outs != reference:
+                        raise SystemExit("oracle run's greedy output differs from plain decoding")
             med = {m: statistics.median(r["tok_s"] for r in res[m]) for m in MODES}
             tau = statistics.median(r["tau"] for r in res["dspark"])
-            for m in MODES:
+            for m in modes:
                 print(f"{b:>5} {t:>4g} {NAMES[m]:>7} {fmt([r['tok_s'] for r in res[m]]):>24} "
                       f"{statistics.median(r['tau'] for r in res[m]):5.2f}")
             print(f"cell: batch={b} temp={t:g} plain_tok_s={med['off']:.1f} dspark_tok_s={med['dspark']:.1f} "
                   f"fixed_tok_s={med['fixed']:.1f} dspark_vs_plain={med['dspark'] / med['off']:.2f} "
                   f"dspark_vs_fixed={med['dspark'] / med['fixed']:.2f} tau={tau:.2f}", flush=True)
+            for m in ("dspark", "fixed"):  # is the step-cost model admission plans with the step's real cost?
+                ratio = [x / y for x, y in steps[m] if y > 0]
+                if ratio:
+                    q = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3
+                    print(f"stepcost: batch={b} temp={t:g} mode={NAMES[m]} steps={len(ratio)} "
+                          f"measured_over_model={statistics.median(ratio):.2f} [{q[0]:.2f}-{q[-1]:.2f}]")
+            if "oracle" in res:
+                mo = statistics.median(r["tok_s"] for r in res["oracle"])
+                print(f"oracle: batch={b} temp={t:g} oracle_tok_s={mo:.1f} oracle_vs_plain={mo / med['off']:.2f} "
+                      f"oracle_vs_fixed={mo / med['fixed']:.2f} "
+                      f"tau={statistics.median(r['tau'] for r in res['oracle']):.2f}", flush=True)
             if b == 1 and t == 0:
                 final = (f"dspark: batch=1 temp=0 plain_tok_s={med['off']:.1f} dspark_tok_s={med['dspark']:.1f} "
                          f"speedup={med['dspark'] / med['off']:.2f} tau={tau:.2f}")

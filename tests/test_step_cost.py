@@ -80,11 +80,37 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
         GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True)) for t in e.token_ids]
     eng = _engine(tiny_model, probe_every=8, dspark_adaptive=True)
     eng.cost = flat_cost()  # deterministic decisions (the profile would be taken on a loaded machine)
+    calls = []  # (forward computed taps?, ring rows written by the dspark call after it, drafted?)
+    fwd, dsp = eng.runner.forward, eng.runner.dspark
+    eng.runner.forward = lambda t, sp, rows, taps: (calls.append([taps, 0, False]), fwd(t, sp, rows, taps))[1]
+
+    def dspark(writes, items):
+        calls[-1][1] += sum(len(r) for _, r, _ in writes)
+        calls[-1][2] = bool(items)
+        return dsp(writes, items)
+
+    eng.runner.dspark = dspark
+    probes, real_draft = [], eng._draft
+
+    def draft(writes, seqs, decision="draft"):  # a probe's block must renew the survivals the next decision reads
+        real_draft(writes, seqs, decision)
+        if decision == "probe":
+            for s in seqs:
+                c = eng.calib.cal.confidence(s.conf_logits[None], ["greedy"])
+                probes.append((s.last_surv, torch.cumprod(c.double(), 1)[0].tolist()))
+
+    eng._draft = draft
     ev = eng.run_request(GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True))
     st = eng.stats()
     assert [t for e in ev for t in e.token_ids] == plain
     # the first blocks are drafted (no evidence yet), then the draft stages stop, probing every 8 steps
     assert st["draft_skipped"] > 30 and st["draft_probes"] >= 3 and st["accept_rate_at"][0] < 0.25
+    # a step that steps aside costs what plain decoding costs: no taps, no ring writes, no draft stages
+    # calls[0]: the prefill (its rows fill the ring); the last step drafts for nobody (the request ends)
+    aside = [c for c in calls[1:-1] if not c[2]]
+    assert len(aside) == st["draft_skipped"] and all(c == [False, 0, False] for c in aside)
+    assert st["ring_rows_skipped"] >= len(aside) and calls[0][0] and calls[0][1] == len(prompt)
+    assert len(probes) == st["draft_probes"] and all(a == pytest.approx(b) for a, b in probes)
 
 
 def test_engine_keeps_drafting_where_drafts_are_accepted():

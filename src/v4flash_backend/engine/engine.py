@@ -141,7 +141,7 @@ class Engine:
         # queue_timeout_s without a slot (both are UNAVAILABLE answers).
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
                            accepted=0, steps=0, verify_rows=0, draft_skipped=0, draft_probes=0, rejected=0,
-                           expired=0)
+                           expired=0, ring_rows_skipped=0)
         # per draft position j = 1..gamma: verify rows where draft j was admitted / accepted
         self.admitted_at = [0] * self.gamma
         self.accepted_at = [0] * self.gamma
@@ -567,8 +567,16 @@ class Engine:
             if s.n_cached + n == len(s.req.prompt):
                 rows.append(off + n - 1)
             off += n
+        # stepping aside is decided before the forward, from past acceptances only (the requests that
+        # draft after this step: the decoding ones and those whose prefill completes now); a step that
+        # steps aside computes no taps and writes no ring rows for its decode rows, so it costs what
+        # plain decoding costs (prefill rows still fill the rings: a new request's context)
+        drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
+                                                                     if s.n_cached + n == len(s.req.prompt)]
+        decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
+        want_taps = self.spec and (decision != "skip" or bool(prefill))
         out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
-                                  self.spec)
+                                  want_taps)
         self.totals["steps"] += 1
         logits_at = {r: i for i, r in enumerate(rows)}
         writes, draft_seqs = [], []
@@ -591,7 +599,10 @@ class Engine:
                 s.rounds += 1
                 pos0 = s.n_cached
                 s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
-                writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
+                if decision != "skip":
+                    writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
+                else:  # the ring misses these positions: a later draft sees older context there (lossless)
+                    self.totals["ring_rows_skipped"] += k
                 self._commit(s, new, bool(res.stopped[i]), lps)
                 if not self._done(s):
                     draft_seqs.append(s)
@@ -620,13 +631,13 @@ class Engine:
             self._release(s)
         self.running = [s for s in self.running if not self._done(s)]
         if self.spec:
-            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs)
+            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs, decision)
 
     # ---- DSpark drafting ---------------------------------------------------------------------
-    def _draft(self, writes, seqs: list[_Seq]) -> None:
-        decision = self._drafting_decision(seqs) if seqs else "draft"
-        if decision == "skip":  # rings still take the committed rows: later drafts need that context
-            self.runner.dspark(writes, [])
+    def _draft(self, writes, seqs: list[_Seq], decision: str = "draft") -> None:
+        if decision == "skip":  # no draft stages; only prefill rows reach the rings (see _step_eager)
+            if writes:
+                self.runner.dspark(writes, [])
             for s in seqs:
                 s.draft, s.conf_logits, s.ell = None, None, 0
             self.totals["draft_skipped"] += len(seqs)
@@ -643,17 +654,21 @@ class Engine:
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
         conf_logits = self._confidence_logits(out, block)
+        c = None
+        if self.adaptive and self.cfg.spec_mode == "dspark":
+            # every drafted block's calibrated survivals, a probe's included: the next step's decision
+            # to step aside reads them (a probe that left them stale kept a request aside for good)
+            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+            for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
+                s.last_surv = a
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
             ell = admit_fixed(len(seqs), 1, self.gamma)
             self.totals["draft_probes"] += 1
         else:
-            if self.adaptive:
-                c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+            if c is not None:
                 ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
-                for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
-                    s.last_surv = a
             else:  # the head as it is and the forward's steps/s: what the static rounds compute
                 ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward)
         ell = torch.minimum(ell, room)

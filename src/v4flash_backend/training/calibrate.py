@@ -56,7 +56,8 @@ def collect(model, prompts, temperature: float, max_tokens: int, batch: int, see
     G = model.cfg.dspark_block_size
     runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
     eng = Engine(runner, Settings(max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="fixed",
-                                  fixed_len=G, calibration_online=False))
+                                  fixed_len=G, calibration_online=False, max_queue_size=len(prompts),
+                                  queue_timeout_s=1e9))
     eng.calib = OnlineCalibrator(eng.calib.cal, window=10**7, enabled=False)  # keep every block, no refits
     done = []
     for i, p in enumerate(prompts):
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--prompts", type=int, default=48, help="held-out prompts (half fit, half evaluate)")
+    ap.add_argument("--sampled-prompts", type=int, default=None,
+                    help="held-out prompts of the sampled regime (default: --prompts; a sampled block commits "
+                         "~1 token, so the same prompts yield several times the greedy blocks)")
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
@@ -114,18 +118,21 @@ def main(argv=None) -> int:
 
     tok = Tokenizer.from_file(str(a.checkpoint / "tokenizer.json"))
     prompts = heldout_prompt_ids(tok, a.prompts, a.prompt_len, model.cfg.bos_token_id)
-    fit_p, eval_p = prompts[0::2], prompts[1::2]
+    n_sampled = a.prompts if a.sampled_prompts is None else min(a.sampled_prompts, a.prompts)
+    halves = {"greedy": (prompts[0::2], prompts[1::2]), "sampled": (prompts[:n_sampled][0::2], prompts[:n_sampled][1::2])}
     cal = Calibration(G)
     lines = [f"{'regime':>8} {'pos':>3} {'observed':>8} {'raw a_k':>8} {'cal a_k':>8} {'ECE raw':>8} "
              f"{'ECE cal':>8} {'AUROC':>7}"]
-    report = {"prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "seed": a.seed,
+    report = {"prompts": a.prompts, "sampled_prompts": n_sampled, "prompt_len": a.prompt_len,
+              "max_tokens": a.max_tokens, "seed": a.seed,
               "objective": a.objective}
     t0 = time.time()
-    bar = Progress(4 * len(fit_p), "calibrate")
+    bar = Progress(a.prompts + n_sampled, "calibrate")
     base = 0
     cache = torch.load(a.observations) if a.observations and a.observations.exists() else None
     collected = {}
     for reg, temp in (("greedy", 0.0), ("sampled", 1.0)):  # one progress bar across the four runs
+        fit_p, eval_p = halves[reg]
         if cache is not None:
             fl, fa, el, ea = cache[reg]
         else:
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
                              lambda n, off=base: bar.update(off + n - 1, reg))
             base += len(eval_p)
         collected[reg] = (fl, fa, el, ea)
-        cal.params[reg] = fit_sts(fl, fa, objective=a.objective)
+        cal.params[reg] = fit_sts(fl, fa, objective=a.objective, refine=True)
         rows, rep = report_lines(reg, el, ea, cal.params[reg])
         rep["fit_blocks"] = int(len(fa))
         report[reg] = rep
