@@ -11,8 +11,9 @@ tokens over its wall time; the cell reports the median over rounds and the sprea
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
-Per cell it prints
-    cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z> dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t>
+Per cell it prints (on one line)
+    cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z>
+          dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t>
 and it ends with
     dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
 """
@@ -172,7 +173,8 @@ def main(argv=None) -> int:
                     help="at T = 0 also run DSpark with a perfect confidence head (OracleEngine): the bound "
                          "admission could reach")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                    help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, no stepping aside)")
+                    help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, "
+                         "no stepping aside)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")

@@ -186,9 +186,8 @@ def closed_loop(backend, n_prompts: int, conc: int) -> tuple[float, int]:
 
 
 def load_prompts(ckpt: Path, n: int):
-    from tokenizers import Tokenizer
-
     from bench_dspark import PROMPTS, heldout_prompts
+    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     # held-out corpus prompts for the embedded model (bench_dspark's), else its fixed prompts

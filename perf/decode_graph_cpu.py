@@ -63,7 +63,8 @@ def main(argv=None) -> int:
             for i, p in enumerate(prompts):
                 times = []
                 req = GenerateRequest(prompt=p, max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
-                                      ignore_eos=True, callback=lambda e: times.append((time.perf_counter(), len(e.token_ids))))
+                                      ignore_eos=True,
+                                      callback=lambda e: times.append((time.perf_counter(), len(e.token_ids))))
                 eng.run_request(req)
                 firsts = [t for t, n in times if n]
                 n_out = sum(n for _, n in times)

@@ -552,7 +552,8 @@ def main(argv=None) -> int:
             ("8-rank collectives / step", "-", a["group8_collectives_per_step"], b["group8_collectives_per_step"]),
             ("weight GB read / rank / step", "-", f"{a['weight_bytes_per_rank'] / 1e9:.2f}",
              f"{b['weight_bytes_per_rank'] / 1e9:.2f}"),
-            ("KV MB read / rank / step", "-", f"{a['kv_bytes_per_rank'] / 1e6:.1f}", f"{b['kv_bytes_per_rank'] / 1e6:.1f}"),
+            ("KV MB read / rank / step", "-", f"{a['kv_bytes_per_rank'] / 1e6:.1f}",
+             f"{b['kv_bytes_per_rank'] / 1e6:.1f}"),
             ("step ms", f"{lo:.0f}-{hi:.0f}", f"{a['step_ms']:.1f}", f"{b['step_ms']:.1f}"),
             ("tokens / step (tau)", PORT["tau"], f"{a['tau']:.2f}", f"{b['tau']:.2f}"),
             ("TPOT ms", f"~{PORT['tpot_ms']:.0f}", f"{a['tpot_ms']:.1f}", f"{b['tpot_ms']:.1f}")]

@@ -205,7 +205,8 @@ def test_shard_loads_read_only_the_shard(spy):
         cols = r.get_shard("layers.1.engram.wkv.weight", 1, 2, 3)  # columns 256..383
     # every access went through get_slice with exactly the shard's extent; never get_tensor
     assert [e[0] for e in log] == ["slice"] * 5
-    assert [e[2] for e in log[:4]] == [(slice(0, 786),), (slice(786, 1572),), (slice(1572, 2358),), (slice(2358, 3144),)]
+    assert [e[2] for e in log[:4]] == [(slice(0, 786),), (slice(786, 1572),), (slice(1572, 2358),),
+                                       (slice(2358, 3144),)]
     assert log[4][2] == (slice(None), slice(256, 384))
     # and what came back is only the shard: own compact storage, not a view of the full tensor
     for part in parts + [cols]:

@@ -107,7 +107,7 @@ def select_block(b, idx):
 
 def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bonus_from_unadmitted=False,
                     proc=None, pos0=0, raw_z=False, hist_counts=None, verify_ignores_drafts=False):
-    """Every outcome of one round for I independent batch instances of R requests (ctxs [I, R, 2]).
+    """Every outcome of one round for n_inst independent batch instances of R requests (ctxs [n_inst, R, 2]).
 
     Returns (inst, req, result, weight, ell) over rows (instance, branch, request): `weight` is the
     probability of the branch (identical across the R rows of one branch).
@@ -115,10 +115,10 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     proc(logits [N, V], pos [N]) -> logits: a logit processor of the target that depends on the output
     position of the predicted token (min_tokens masking); the round starts at output position pos0.
     It is applied to the draft through markov_draft's logit_fn and to the verify rows, the way the
-    engine does (Engine._draft_logit_fn / _process_target). With hist_counts [I, V] (the generated
+    engine does (Engine._draft_logit_fn / _process_target). With hist_counts [n_inst, V] (the generated
     tokens before the round, per instance) proc also gets each row's counts: history plus the drafts
     before the row (penalties)."""
-    I, R, _ = ctxs.shape
+    n_inst, R, _ = ctxs.shape
     V, G = toy.V, toy.G
     greedy = all(s.get("temperature", 1.0) == 0 for s in specs)
     scripts = (torch.zeros(1, G, dtype=torch.long) if greedy
@@ -126,9 +126,9 @@ def enumerate_round(toy, ctxs, specs, sps, admit_fn=admit, q_from_base=False, bo
     S = scripts.shape[0]
     # draft stage: rows (instance, joint draft script d, request r); request r follows script (d // S^r) % S
     D = S ** R
-    inst = torch.arange(I).repeat_interleave(D * R)
-    d = torch.arange(D).repeat_interleave(R).repeat(I)
-    req = torch.arange(R).repeat(I * D)
+    inst = torch.arange(n_inst).repeat_interleave(D * R)
+    d = torch.arange(D).repeat_interleave(R).repeat(n_inst)
+    req = torch.arange(R).repeat(n_inst * D)
     ctx = ctxs[inst, req]
     params = rows_params(specs, req)
     sampler = ScriptSampler(cats=[scripts[(d // S ** req) % S, k] for k in range(G)]) if not greedy else ScriptSampler()

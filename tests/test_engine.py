@@ -171,8 +171,9 @@ def test_seeded_sampling_is_batch_independent_without_speculation(tiny_model):
     r = dict(prompt=_prompt(8, 9), max_tokens=6, temperature=1.0, top_k=50, seed=77, ignore_eos=True)
     alone = [t for e in _engine(tiny_model, "off", 1).run_request(GenerateRequest(**r)) for t in e.token_ids]
     eng = _engine(tiny_model, "off")
-    reqs = [GenerateRequest(**r)] + [GenerateRequest(prompt=_prompt(15, i), max_tokens=6, temperature=1.0, ignore_eos=True)
-                             for i in range(3)]
+    reqs = [GenerateRequest(**r)] + [GenerateRequest(prompt=_prompt(15, i), max_tokens=6, temperature=1.0,
+                                                     ignore_eos=True)
+                                     for i in range(3)]
     ev = _collect(eng, reqs)
     assert [t for e in ev[reqs[0].id] for t in e.token_ids] == alone
 

@@ -85,7 +85,8 @@ def test_pad_off_by_one_would_be_caught(golden_cfg, golden_cases):
     # Sanity of the oracle: the README's injected bug "engram pad id + 1" must change the hashes.
     c = golden_cfg
     bad = EngramHasher(
-        golden_cases["engram.token_map"], 672, c["engram_layer_ids"], 4, 2, c["engram_vocab_size"], c["engram_pad_id"] + 1
+        golden_cases["engram.token_map"], 672, c["engram_layer_ids"], 4, 2, c["engram_vocab_size"],
+        c["engram_pad_id"] + 1
     )
     out = bad.hash_tokens(golden_cases["case0.prompt_ids"][None])[0]
     assert not torch.equal(out, golden_cases["case0.debug.engram_hash_ids"])

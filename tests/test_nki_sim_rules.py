@@ -247,7 +247,7 @@ def test_r8_live_sbuf_and_psum_footprint():
     _run(eight_small)
 
 
-# ---- R9 grid = LNC degree ------------------------------------------------------------------------------------------------
+# ---- R9 grid = LNC degree --------------------------------------------------------------------------------------------
 def test_r9_grid_is_the_lnc_degree(monkeypatch):
     def body():
         pass
@@ -260,7 +260,7 @@ def test_r9_grid_is_the_lnc_degree(monkeypatch):
     jit(body)[2]()
 
 
-# ---- R10 accumulate ----------------------------------------------------------------------------------------------------
+# ---- R10 accumulate --------------------------------------------------------------------------------------------------
 def test_r10_no_matmul_accumulation_onto_memset_psum():
     def body(acc, init):
         def k():
@@ -448,8 +448,9 @@ def test_activation_fake_quant_reproduces_e4m3fn_grid_and_448_saturation():
 
 def test_kernels_fit_the_live_sbuf_and_psum_at_release_shapes():
     """R8 at the released model's sizes (dim 5120, hc 4, 64 heads x 512, 32 index heads x 128, expert dim
-    2304, DSpark main_proj K = 15360): every kernel's live SBUF stays within the 192 KiB per partition (the simulator raises otherwise) --
-    the tiny test models would never reach the limit. Peaks are recorded per program (nki_sim._runtime)."""
+    2304, DSpark main_proj K = 15360): every kernel's live SBUF stays within the 192 KiB per partition (the simulator
+    raises otherwise) -- the tiny test models would never reach the limit. Peaks are recorded per program
+    (nki_sim._runtime)."""
     import nki_sim._runtime as R
     from nki_sim import _rules as RU
     from v4flash_backend import ops

@@ -95,7 +95,7 @@ def test_verify_has_no_host_sync_and_the_counter_sees_eager_ones(golden_step):
 
 def test_draft_equals_eager_drafter(golden_step):
     g = golden_step
-    m, dec, (_, slot, start, _) = g["m"], g["dec"], g["plan"]
+    dec, (_, slot, start, _) = g["dec"], g["plan"]
     drafter = dec.drafter
     # the engine's next move: 2 of seq A's 3 rows and seq B's 1 row are committed, drafts follow
     commit = torch.tensor([2, 1, 0])

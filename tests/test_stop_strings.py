@@ -7,7 +7,6 @@ stop strings that start and end inside ids, multi-byte characters."""
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tokenizers import Tokenizer
 

@@ -80,7 +80,8 @@ def test_tokenizer_special_ids_and_bos(micro):
     cfg, tok, _ = micro
     V = cfg.vocab_size
     assert tok.get_vocab_size(with_added_tokens=True) == V
-    assert [tok.token_to_id(t) for t in ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")] == [0, 1, 2]
+    specials = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+    assert [tok.token_to_id(t) for t in specials] == [0, 1, 2]
     assert tok.token_to_id("<｜dspark_noise｜>") == cfg.dspark_noise_token_id == V - 1
     assert tok.token_to_id("<｜deepseek_image｜>") == cfg.image_token_id == V - 2
     text = "def f(x):\n    return x  # é\n"

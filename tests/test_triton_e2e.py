@@ -318,7 +318,8 @@ def test_cancelling_a_grpc_stream_frees_its_slot(server):
                           and m["v4flash:requests_finished_total[cancelled]"] > before[
                               "v4flash:requests_finished_total[cancelled]"])
     assert after["v4flash:kv_slots_in_use"] == 0 and after["v4flash:requests_in_flight"] == 0
-    assert after["v4flash:requests_finished_total[cancelled]"] == before["v4flash:requests_finished_total[cancelled]"] + 1
+    assert (after["v4flash:requests_finished_total[cancelled]"]
+            == before["v4flash:requests_finished_total[cancelled]"] + 1)
     generated = after["v4flash:generation_tokens_total"] - before["v4flash:generation_tokens_total"]
     assert 2 <= generated < long_max  # it stopped early
     # The freed slot serves the next request.

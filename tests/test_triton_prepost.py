@@ -103,7 +103,8 @@ def _echo_config() -> str:
 
     inputs = [t for t in triton_io.INPUTS if t[0] != "text_input"]
     return (f'name: "v4flash"\nbackend: "python"\nmax_batch_size: 0\nmodel_transaction_policy {{ decoupled: true }}\n'
-            f"input [\n{tensors(inputs)}\n]\noutput [\n{tensors(t for t in triton_io.OUTPUTS if t[0] != 'text_output')}\n]\n"
+            f"input [\n{tensors(inputs)}\n]\n"
+            f"output [\n{tensors(t for t in triton_io.OUTPUTS if t[0] != 'text_output')}\n]\n"
             'instance_group [ { count: 1, kind: KIND_CPU } ]\n'
             'parameters { key: "checkpoint_dir", value: { string_value: "../ckpt" } }\n')
 

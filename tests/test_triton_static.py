@@ -78,8 +78,8 @@ def eager(tiny_model):
 
 
 def test_concurrent_greedy_and_seeded_requests_stream_the_eager_tokens(server, eager):
-    reqs = [(e2e.PROMPT_IDS, 12, 0.0, None), (e2e.PROMPT_IDS[:3], 5, 0.8, 7), ([0, 5, 9, 300, 41, 2, 77, 8], 9, 0.8, 11),
-            ([0, 1000, 3], 7, 0.0, None)]
+    reqs = [(e2e.PROMPT_IDS, 12, 0.0, None), (e2e.PROMPT_IDS[:3], 5, 0.8, 7),
+            ([0, 5, 9, 300, 41, 2, 77, 8], 9, 0.8, 11), ([0, 1000, 3], 7, 0.0, None)]
 
     def call(p, k, t, s):
         kw = dict(model="v4flash", input_ids=p, stream=True, max_tokens=k, temperature=t,

@@ -120,7 +120,8 @@ def check_exact(fx: GoldenFixture, m: V41Model, rep: Report) -> None:
                 rep.check(torch.equal(quant.fp8_act_qdq(kv), kv), f"{c} layer {i} window KV on the fp8 grid")
             if fx.has(pre + "compress_kv"):
                 ckv = fx.t(pre + "compress_kv")
-                rep.check(torch.equal(quant.fp4_qdq(ckv, 16, "e4m3"), ckv), f"{c} layer {i} compressed KV on the fp4 grid")
+                rep.check(torch.equal(quant.fp4_qdq(ckv, 16, "e4m3"), ckv),
+                          f"{c} layer {i} compressed KV on the fp4 grid")
             if fx.has(pre + "index_k"):
                 ik = fx.t(pre + "index_k")
                 rep.check(torch.equal(quant.fp4_qdq(ik, 32, "ue8m0"), ik), f"{c} layer {i} index K on the fp4 grid")
@@ -128,8 +129,10 @@ def check_exact(fx: GoldenFixture, m: V41Model, rep: Report) -> None:
                 w, ids_ = route(m.W, cfg, f"layers.{i}.ffn", fx.t(pre + "ffn_in"), cfg.n_activated_experts)
                 ref_ids = fx.t(pre + "gate_indices")
                 same = torch.equal(ids_.sort(-1).values, ref_ids.sort(-1).values)
-                wdiff = (w.gather(1, ids_.argsort(-1)) - fx.t(pre + "gate_weights").gather(1, ref_ids.argsort(-1))).abs().max()
-                rep.check(same and wdiff.item() <= 1e-6, f"{c} layer {i} router experts from reference input (w err {wdiff.item():.1e})")
+                wdiff = (w.gather(1, ids_.argsort(-1))
+                         - fx.t(pre + "gate_weights").gather(1, ref_ids.argsort(-1))).abs().max()
+                rep.check(same and wdiff.item() <= 1e-6,
+                          f"{c} layer {i} router experts from reference input (w err {wdiff.item():.1e})")
 
 
 # ---- level 2 --------------------------------------------------------------------------------
@@ -226,7 +229,8 @@ def replay_layers(fx: GoldenFixture, m: V41Model, rep: Report, case: str, loose:
     L = f"{pre}layers.{cfg.n_layers - 1}."
     logits, hidden = m.head_logits(fx.t(L + "x_out"), fx.t(L + "pre_mix_out"))
     r = row_rel(hidden, fx.t(f"{case}.prefill_final_hidden"))
-    rep.check((r > STRICT_ROW_TOL).float().mean().item() <= STRICT_ROW_FRAC, f"{case} head replay: final hidden max err {r.max().item():.1e}")
+    rep.check((r > STRICT_ROW_TOL).float().mean().item() <= STRICT_ROW_FRAC,
+              f"{case} head replay: final hidden max err {r.max().item():.1e}")
 
 
 # ---- levels 3-5 -----------------------------------------------------------------------------
@@ -244,7 +248,8 @@ def run_case(fx: GoldenFixture, m: V41Model, rep: Report, case: str) -> None:
         return
     d, cos, top, n, same = logit_stats(out.logits, fx.t(f"{case}.prefill_logits"))
     rep.min_cos, rep.top1, rep.top1_total = min(rep.min_cos, cos), rep.top1 + top, rep.top1_total + n
-    rep.check(cos >= E2E_MIN_COS, f"{case} prefill logits: max|d| {d:.2g} min cos {cos:.4f} top1 {top}/{n}{' bit-identical' if same else ''}")
+    rep.check(cos >= E2E_MIN_COS, f"{case} prefill logits: max|d| {d:.2g} min cos {cos:.4f} top1 {top}/{n}"
+                                  f"{' bit-identical' if same else ''}")
     if out.taps is not None and fx.has(f"{case}.prefill_taps"):
         r = row_rel(out.taps, fx.t(f"{case}.prefill_taps"))
         rep.lines.append(f"info {case} prefill taps: median row err {r.median().item():.1e} max {r.max().item():.1e}")
@@ -256,7 +261,8 @@ def run_case(fx: GoldenFixture, m: V41Model, rep: Report, case: str) -> None:
         rep.steps += len(logits)
         d, cos, top, n, same = logit_stats(torch.stack(logits), fx.t(f"{case}.decode_logits"))
         rep.min_cos, rep.top1, rep.top1_total = min(rep.min_cos, cos), rep.top1 + top, rep.top1_total + n
-        rep.check(cos >= E2E_MIN_COS, f"{case} decode logits ({n} steps): max|d| {d:.2g} min cos {cos:.4f} top1 {top}/{n}{' bit-identical' if same else ''}")
+        rep.check(cos >= E2E_MIN_COS, f"{case} decode logits ({n} steps): max|d| {d:.2g} min cos {cos:.4f} "
+                                      f"top1 {top}/{n}{' bit-identical' if same else ''}")
     if cfg.dspark_block_size and fx.has(f"{case}.dspark_base_logits"):
         check_dspark(fx, m, rep, case, S)
 
@@ -279,7 +285,8 @@ def check_dspark(fx: GoldenFixture, m: V41Model, rep: Report, case: str, S: int)
         U.append(out.base_logits[0]), H.append(out.hidden[0]), ids.append(g_ids[0]), conf.append(g_conf[0])
     U, H = torch.stack(U), torch.stack(H)
     d, cos, top, n, same = logit_stats(U, fx.t(f"{case}.dspark_base_logits"))
-    rep.check(cos >= DSPARK_MIN_COS, f"{case} DSpark base logits U: max|d| {d:.2g} min cos {cos:.5f} top1 {top}/{n}{' bit-identical' if same else ''}")
+    rep.check(cos >= DSPARK_MIN_COS, f"{case} DSpark base logits U: max|d| {d:.2g} min cos {cos:.5f} "
+                                     f"top1 {top}/{n}{' bit-identical' if same else ''}")
     agree = (torch.stack(ids) == fx.t(f"{case}.dspark_greedy_ids")).float().mean().item()
     cd = (torch.stack(conf) - fx.t(f"{case}.dspark_greedy_confidence")).abs().max().item()
     rep.check(cd <= CONF_MAX_ABS, f"{case} DSpark greedy chain: ids agree {agree:.1%}, confidence max|d| {cd:.2g}")
@@ -288,7 +295,8 @@ def check_dspark(fx: GoldenFixture, m: V41Model, rep: Report, case: str, S: int)
         bias, emb = dr.markov(prev)
         bd = (bias - fx.t(f"{case}.dspark_tf_markov_bias")).abs().max().item()
         same_e = torch.equal(emb, fx.t(f"{case}.dspark_tf_markov_embed"))
-        rep.check(same_e and bd <= 1e-4, f"{case} Markov head teacher-forced: embed exact {same_e}, bias max|d| {bd:.1e}")
+        rep.check(same_e and bd <= 1e-4,
+                  f"{case} Markov head teacher-forced: embed exact {same_e}, bias max|d| {bd:.1e}")
         tc = dr.confidence(H[: prev.shape[0]], emb)
         cd = (tc - fx.t(f"{case}.dspark_tf_confidence")).abs().max().item()
         rep.check(cd <= CONF_MAX_ABS, f"{case} confidence teacher-forced: max|d| {cd:.2g}")

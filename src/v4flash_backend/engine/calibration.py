@@ -261,7 +261,8 @@ class OnlineCalibrator:
         obs = self._obs[reg]
         if not obs:
             G = self.cal.gamma
-            return torch.zeros(0, G, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+            return (torch.zeros(0, G, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
+                    torch.zeros(0, dtype=torch.long))
         return (torch.stack([o[0] for o in obs]), torch.tensor([o[1] for o in obs]), torch.tensor([o[2] for o in obs]))
 
     def acceptance_rates(self, reg: str, min_rows: int = 8) -> list[float]:

@@ -121,7 +121,8 @@ class Engine:
         if self.cfg.spec_mode != "off" and runner.drafter is None:
             self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
-        self.calib = OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online) if self.spec else None
+        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
+                      if self.spec else None)
         # calibrated confidences, draft-cost-aware admission and stepping aside: eager steps only (the
         # static rounds admit in the graph with the raw head), so a static runner keeps them off and
         # eager and static serving stay token-identical
@@ -306,7 +307,8 @@ class Engine:
             params = SamplingParams.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
             block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
                                      params, self._sampler_for(R))
-            admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])), lambda B: torch.ones_like(B, dtype=torch.float64))
+            admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])),
+                  lambda B: torch.ones_like(B, dtype=torch.float64))
 
         rs = sorted({1, 2, 4, 8, 16, 32, self.cfg.max_num_seqs} & set(range(1, self.cfg.max_num_seqs + 1)))
         draft_s = interleaved_medians(draft, rs, rounds=3) if d is not None else {}
@@ -405,7 +407,8 @@ class Engine:
             self.totals["expired"] += len(expired)
         for r in expired:
             self._emit(r, Event(r.id, [], [], error=f"no free slot within {self.cfg.queue_timeout_s:.0f} s "
-                                                    f"(max_num_seqs={self.cfg.max_num_seqs})", error_code="UNAVAILABLE"))
+                                                    f"(max_num_seqs={self.cfg.max_num_seqs})",
+                                error_code="UNAVAILABLE"))
         for s in new:
             self.runner.reset_slot(s.slot)
             s.seed = int(s.req.seed) if s.req.seed is not None else int(
@@ -692,7 +695,8 @@ class Engine:
         t = torch.stack([p[0] if p else torch.zeros(G, dtype=torch.long) for p in parts])
         pv = torch.stack([p[1] if p else torch.zeros(G, dtype=torch.long) for p in parts])
         q = torch.stack([p[2].double() if p else torch.ones(G, dtype=torch.float64) for p in parts])
-        z = torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G else torch.zeros(len(seqs), 0, V)
+        z = (torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G
+             else torch.zeros(len(seqs), 0, V))
         return acc.DraftBlock(tokens=t, prev=pv, q_token=q, z=z)
 
     # ---- logit processing shared by drafts and verification ---------------------------------------

@@ -1,4 +1,5 @@
-"""One sequence without the engine: prefill, then decode with caches, greedy or sampled (the\nreference decode loop; `python -m v4flash_backend generate` uses it when no rank group is asked for)."""
+"""One sequence without the engine: prefill, then decode with caches, greedy or sampled (the
+reference decode loop; `python -m v4flash_backend generate` uses it when no rank group is asked for)."""
 
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ class StepCost:
                    d.get("replaced", ()))
 
     def __repr__(self) -> str:
-        return (f"StepCost(forward={self.forward}, draft_ms={ {k: round(v * 1e3, 2) for k, v in self.draft_seconds.items()} }"
+        return (f"StepCost(forward={self.forward}, "
+                f"draft_ms={ {k: round(v * 1e3, 2) for k, v in self.draft_seconds.items()} }"
                 f"{', replaced ' + str(self.replaced) if self.replaced else ''})")
 
 

@@ -178,7 +178,8 @@ class RankGroup:
             # a source checkout (<repo>/src): make the workers import this copy. An installed package
             # is already importable by its own interpreter, and prepending another interpreter's
             # site-packages would shadow the worker venv's numpy / torch.
-            e["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+            e["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)]
+                                              + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
         e.setdefault("OMP_NUM_THREADS", "1")
         e.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
         e.update(env or {})

@@ -711,10 +711,10 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
                           prefill_rows=settings.prefill_chunk)
     if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
+        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
+
         from v4flash_backend.ops import nki_ops
         from v4flash_backend.trn2.neuron import place_resident
-
-        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
 
         _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
         os.environ["V4FLASH_NKI_STRICT"] = "1"

@@ -54,7 +54,6 @@ def _launch(kernel, *tensors, **static):
     if _backend() == "nki":
         return _launch_device(kernel, tensors, static)
     from nki_sim._torch_bridge import numpy_to_torch, torch_to_numpy
-
     from v4flash_backend.kernels import _nki
 
     arrays = [torch_to_numpy(t) for t in tensors]

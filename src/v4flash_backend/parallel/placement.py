@@ -384,7 +384,8 @@ def _pipeline_report(cfg, world, max_model_len, max_num_seqs, label, P, sequence
             step = _add(step, collectives_per_draft(cfg, world, P))
         sa, ga = step.get(("stage", "all_reduce"), 0), step.get(("attn", "all_reduce"), 0)
         w_ar, g_ar = max(w_ar, sa), max(g_ar, ga)
-        lines.append(f"stage {s} collectives per decode step ({R} sequences{', + DSpark draft' if s == P - 1 else ''}): "
+        lines.append(f"stage {s} collectives per decode step "
+                     f"({R} sequences{', + DSpark draft' if s == P - 1 else ''}): "
                      f"stage all_reduce {sa}, attention-group all_reduce {ga}, stage all_gather "
                      f"{step.get(('stage', 'all_gather'), 0)}, boundary recv {step.get(('pp', 'boundary_recv'), 0)} "
                      f"send {step.get(('pp', 'boundary_send'), 0)}")

@@ -100,7 +100,8 @@ class ServingMetrics:
                                             "no bucket)", F.GAUGE).Metric(labels=labels)
         self.graphs_per_prefill_step = family("v4flash:prefill_graph_executions_per_step",
                                               "Graph executions per step with prefill rows (prefill graphs + the "
-                                              "verify graph of its decode rows; 0: eager)", F.GAUGE).Metric(labels=labels)
+                                              "verify graph of its decode rows; 0: eager)",
+                                              F.GAUGE).Metric(labels=labels)
 
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:

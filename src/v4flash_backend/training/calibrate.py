@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(str(a.checkpoint / "tokenizer.json"))
     prompts = heldout_prompt_ids(tok, a.prompts, a.prompt_len, model.cfg.bos_token_id)
     n_sampled = a.prompts if a.sampled_prompts is None else min(a.sampled_prompts, a.prompts)
-    halves = {"greedy": (prompts[0::2], prompts[1::2]), "sampled": (prompts[:n_sampled][0::2], prompts[:n_sampled][1::2])}
+    halves = {"greedy": (prompts[0::2], prompts[1::2]),
+              "sampled": (prompts[:n_sampled][0::2], prompts[:n_sampled][1::2])}
     cal = Calibration(G)
     lines = [f"{'regime':>8} {'pos':>3} {'observed':>8} {'raw a_k':>8} {'cal a_k':>8} {'ECE raw':>8} "
              f"{'ECE cal':>8} {'AUROC':>7}"]
