@@ -302,13 +302,7 @@ def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, 
              f"(DSpark {cfg.moe_shape(cfg.n_layers)[0] / world:g}) caches for max_model_len={max_model_len} "
              f"max_num_seqs={max_num_seqs} (+1 scratch slot)",
              "GiB per rank   " + " ".join(f"{c:>11}" for c in cols) + f" {'total':>8}"]
-    seen = {}
-    for r, b in enumerate(per_rank):  # ranks with identical shards print once
-        seen.setdefault(tuple(b[c] for c in cols), []).append(r)
-    for key, ranks in seen.items():
-        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}..{ranks[-1]}" \
-            if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{len(ranks)} ranks"
-        lines.append(f"{name:<14} " + " ".join(f"{v / GIB:>11.4f}" for v in key) + f" {sum(key) / GIB:>8.4f}")
+    lines += _rank_rows(per_rank, cols)
     max_gib = max(sum(b.values()) for b in per_rank) / GIB
     R = max_num_seqs
     long_ctx = [(max_model_len - 1, 1)] * R  # decode rows of R sequences with compressed context
