@@ -131,23 +131,26 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("path", ["pidfd", "poll"])
-def test_the_watch_ends_a_rank_when_the_launcher_exits(path):
-    launcher = subprocess.Popen(["sleep", "60"])
-    w = subprocess.Popen([sys.executable, "-c", WATCHER, launcher_identity(launcher.pid), path], env=ENV,
+def test_the_watch_ends_a_rank_when_a_watched_process_exits(path):
+    """Two watched processes (as the Triton model passes: its stub and the server); the second dies."""
+    stub, server = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    spec = f"{launcher_identity(stub.pid)},{launcher_identity(server.pid)}"
+    w = subprocess.Popen([sys.executable, "-c", WATCHER, spec, path], env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert w.stdout.readline() == "watching\n"
-        launcher.kill()  # left unreaped for a moment: a zombie is gone too
+        time.sleep(0.3)
+        assert w.poll() is None
+        server.kill()  # left unreaped for a moment: a zombie is gone too
         t0 = time.monotonic()
         code = w.wait(timeout=5)
         elapsed = time.monotonic() - t0
-        assert code == 3 and f"launcher pid {launcher.pid} is gone (exited)" in w.stderr.read()
+        assert code == 3 and f"launcher pid {server.pid} is gone (exited)" in w.stderr.read()
         assert elapsed < (0.5 if path == "pidfd" else 2.0)
     finally:
-        launcher.kill()
-        launcher.wait()
-        w.kill()
-        w.wait()
+        for p in (stub, server, w):
+            p.kill()
+            p.wait()
 
 
 def test_the_watch_refuses_a_launcher_whose_pid_now_names_another_process():

@@ -685,10 +685,11 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
     settings = Settings(checkpoint_dir=GOLDEN, world_size=2, max_num_seqs=3, max_model_len=77,
                         spec_mode="off", sps_path="/tmp/sps.json")
     logs = []
-    backend = rgc.RankGroupEngine(settings, logs.append, watchdog_interval_s=0.02)
+    backend = rgc.RankGroupEngine(settings, logs.append, watchdog_interval_s=0.02, watch_also=(4242,))
     try:
         assert backend.vocab_size == V  # from the checkpoint's config.json
         [(launched, kw, first)] = FakeGroup.launched
+        assert kw == {"watch_also": (4242,)}  # the ranks die with the server too (model.py passes its pid)
         assert (launched.checkpoint_dir, launched.world_size, launched.max_num_seqs, launched.max_model_len) == (
             str(GOLDEN), 2, 3, 77)
         wire = Settings.from_json(launched.to_json())  # what the workers receive
@@ -703,6 +704,7 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
         while backend.restarts == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert backend.restarts == 1 and len(FakeGroup.launched) == 2 and first.shut_down
+        assert FakeGroup.launched[1][1] == {"watch_also": (4242,)}  # a restarted group too
         second = FakeGroup.launched[1][2]
         assert backend.group is second and second.submitted[0][2] == "warmup"
         backend.cancel("r2")

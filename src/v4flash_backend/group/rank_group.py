@@ -83,8 +83,8 @@ def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_r
     """The torchrun command of one node of a rank group (`launch` runs the single-node one; a
     multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
     last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
-    port_file. ``watch_launcher`` ("PID:START", `launcher_identity`): every rank exits when that
-    process is gone (what `launch` passes; a group started by hand has none)."""
+    port_file. ``watch_launcher`` ("PID:START[,PID:START...]", `launcher_identity`): every rank exits
+    when one of those processes is gone (what `launch` passes; a group started by hand has none)."""
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
            "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
@@ -211,21 +211,25 @@ class RankGroup:
     # ---- starting ---------------------------------------------------------------------------------
     @classmethod
     def launch(cls, settings, python: str | None = None, env: dict | None = None, log_path: str | None = None,
-               nproc_per_node: int | None = None, tie_to_thread: bool | None = None) -> "RankGroup":
+               nproc_per_node: int | None = None, tie_to_thread: bool | None = None,
+               watch_also: tuple[int, ...] = ()) -> "RankGroup":
         """Start a single-node group of `settings.world_size` ranks and connect to it. The workers get
         the settings as one JSON object (`Settings.to_json`); rank 0 listens on loopback.
 
         The group dies with this process: every rank watches it (`--watch-launcher`). With
         ``tie_to_thread`` (default: when called from the main thread) torchrun also gets
         PR_SET_PDEATHSIG, which the kernel sends when the *calling thread* ends, so pass True only
-        from a thread that lives as long as the group (the serving watchdog does)."""
+        from a thread that lives as long as the group. ``watch_also``: more pids whose death ends the
+        group (the Triton model passes the server's: a stub can hang instead of exiting when the
+        server under it dies, see `serving.rank_group_client`)."""
         py = project_python(python)
         workdir = tempfile.mkdtemp(prefix="v4flash-group-")
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
         cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
-                           "127.0.0.1", 0, port_file, watch_launcher=launcher_identity())
+                           "127.0.0.1", 0, port_file,
+                           watch_launcher=",".join(launcher_identity(p) for p in (os.getpid(), *watch_also)))
         if tie_to_thread is None:
             tie_to_thread = threading.current_thread() is threading.main_thread()
         if tie_to_thread:
@@ -244,7 +248,8 @@ class RankGroup:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
                                 start_new_session=True)
         log.close()
-        launch_args = dict(settings=settings, python=python, env=env, nproc_per_node=nproc_per_node)
+        launch_args = dict(settings=settings, python=python, env=env, nproc_per_node=nproc_per_node,
+                           watch_also=watch_also)
         deadline = time.monotonic() + start_timeout_s
         while not os.path.exists(port_file):
             if proc.poll() is not None:

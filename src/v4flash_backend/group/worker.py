@@ -602,46 +602,52 @@ LAUNCHER_GONE_EXIT = 3  # a rank's exit code when the process that launched the 
 
 
 def _watch_launcher(spec: str | None) -> None:
-    """Exit (code LAUNCHER_GONE_EXIT, torchrun then ends the other ranks) as soon as the launcher
-    "PID:START" (`rank_group.launcher_identity`, passed by `RankGroup.launch`) is gone: the Triton stub
-    may die without stopping us (SIGSEGV, SIGKILL), and PR_SET_PDEATHSIG only watches torchrun. A
-    pidfd (Linux >= 5.3) wakes a daemon thread the moment it exits; elsewhere the thread polls
-    /proc every second. The start time tells a reused pid from the launcher. No watch without a spec:
-    a group started by hand (rank_group_address) outlives its clients."""
+    """Exit (code LAUNCHER_GONE_EXIT, torchrun then ends the other ranks) as soon as one of the
+    processes "PID:START[,PID:START...]" (`rank_group.launcher_identity`; `RankGroup.launch` passes
+    its own process, and the Triton model adds the server) is gone: the Triton stub may die without
+    stopping us (SIGSEGV, SIGKILL), or hang when the server under it died, and PR_SET_PDEATHSIG only
+    watches torchrun. A pidfd each (Linux >= 5.3) wakes a daemon thread the moment one exits;
+    elsewhere the thread polls /proc every second. The start time tells a reused pid from the
+    process it named. No watch without a spec: a group started by hand (rank_group_address)
+    outlives its clients."""
     if not spec:
         return
     import select
 
     from v4flash_backend.group.rank_group import process_start_time
 
-    pid_s, _, start_s = spec.partition(":")
-    pid, start = int(pid_s), int(start_s) if start_s.isdigit() else None
     rank = int(os.environ.get("RANK", "0"))
 
-    def gone(why: str) -> None:
+    def gone(pid: int, why: str) -> None:
         _log(rank, f"launcher pid {pid} is gone ({why}): stopping the rank group")
         os._exit(LAUNCHER_GONE_EXIT)
 
-    fd = None
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        gone("no such process")
-    except (OSError, AttributeError):
-        pass
-    if process_start_time(pid) != start:  # checked after pidfd_open: the pidfd pins the process it names
-        gone("exited, or its pid now names another process")
+    watched = {}  # pid -> (start time, pidfd or None)
+    for item in spec.split(","):
+        pid_s, _, start_s = item.partition(":")
+        pid, start = int(pid_s), int(start_s) if start_s.isdigit() else None
+        fd = None
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            gone(pid, "no such process")
+        except (OSError, AttributeError):
+            pass
+        if process_start_time(pid) != start:  # checked after pidfd_open: the pidfd pins the process it names
+            gone(pid, "exited, or its pid now names another process")
+        watched[pid] = (start, fd)
 
     def watch() -> None:
-        if fd is not None:
-            p = select.poll()
+        fds = {fd: pid for pid, (_, fd) in watched.items() if fd is not None}
+        p = select.poll()
+        for fd in fds:
             p.register(fd, select.POLLIN)
-            while not p.poll(None):
-                pass
-            gone("exited")
-        while process_start_time(pid) == start:
-            time.sleep(1.0)
-        gone("exited")
+        while True:
+            for fd, _ in p.poll(None if len(fds) == len(watched) else 1000):
+                gone(fds[fd], "exited")
+            for pid, (start, fd) in watched.items():
+                if fd is None and process_start_time(pid) != start:
+                    gone(pid, "exited")
 
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
 
