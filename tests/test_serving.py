@@ -614,6 +614,9 @@ def test_every_stub_call_runs_on_the_sender_thread():
     assert held.sent[-1][1].code == "UNAVAILABLE" and refused.sent[-1][1].code == "INVALID_ARG"
     assert finished["error"].value == 2 and finished["length"].value == 1 and slots_total.value == 4
     assert log.threads == {"v4flash-responses"}
+    late = Sink()  # after close: refused at once (answered on this thread, the sender is gone)
+    svc.handle({"input_ids": i32(0)}, None, late)
+    assert late.sent[-1][1].code == "UNAVAILABLE" and "shutting down" in late.sent[-1][1].message
 
 
 def test_in_process_engine_streams_what_it_returns_whole(tokenizer):

@@ -123,8 +123,12 @@ class GenerateService:
             return len(self._flights)
 
     def _post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the sender thread, the one thread that calls the stub (see the module doc)."""
-        self._events.put(fn)
+        """Run ``fn`` on the sender thread, the one thread that calls the stub (see the module doc);
+        once that thread has ended (after close), here: no other thread talks to the stub then."""
+        if self._sender.is_alive():
+            self._events.put(fn)
+        else:
+            fn()
 
     def close(self, drain_s: float = 5.0) -> None:
         """Cancel what is in flight, give the engine ``drain_s`` to confirm, fail the rest,
@@ -150,7 +154,8 @@ class GenerateService:
             self.engine.close()
         finally:
             if self.metrics is not None:
-                self.metrics.close()
+                metrics, self.metrics = self.metrics, None  # later refusals update nothing
+                metrics.close()
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     # (the in-flight gauge is refreshed by the sender thread, `_refresh_in_flight`)
