@@ -13,9 +13,10 @@ whose interpreter need not have torch.
 Lifetime: a launched group dies with the process that launched it (the Triton stub, or the CLI),
 however that process ends, so a crashed server never leaves ranks holding the devices: every rank
 watches the launcher (`--watch-launcher PID:START`, the pid and its start time so that a reused pid
-is not mistaken for it) and exits within about a second of its death, and torchrun itself gets
-PR_SET_PDEATHSIG (`_guarded`). A group reached with `connect` (started by hand or by an
-orchestrator, one torchrun per node) carries no watch and outlives its clients.
+is not mistaken for it; the Triton model adds the server's, `watch_also`) and exits within about a
+second of its death, and torchrun itself gets PR_SET_PDEATHSIG (`_guarded`). A group reached with
+`connect` (started by hand or by an orchestrator, one torchrun per node) carries no watch and
+outlives its clients.
 
 Failure: when the connection to rank 0 breaks (a rank died: the others exit within seconds on
 their collective's error or timeout and torchrun tears the group down), every request in flight

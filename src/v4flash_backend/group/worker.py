@@ -633,7 +633,7 @@ def _watch_launcher(spec: str | None) -> None:
             gone(pid, "no such process")
         except (OSError, AttributeError):
             pass
-        if process_start_time(pid) != start:  # checked after pidfd_open: the pidfd pins the process it names
+        if start is None or process_start_time(pid) != start:  # after pidfd_open: it pins the process it names
             gone(pid, "exited, or its pid now names another process")
         watched[pid] = (start, fd)
 
@@ -666,9 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default)")
     ap.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     ap.add_argument("--port-file", help="rank 0 writes {host, port, pids, ...} here once every rank is ready")
-    ap.add_argument("--watch-launcher", metavar="PID:START",
-                    help="exit when this process (pid, start time: /proc/PID/stat field 22) is gone "
-                         "(RankGroup.launch passes its own; none for a group started by hand)")
+    ap.add_argument("--watch-launcher", metavar="PID:START[,PID:START...]",
+                    help="exit when one of these processes (pid, start time: /proc/PID/stat field 22) is "
+                         "gone (RankGroup.launch passes its own, the Triton model adds the server's; none "
+                         "for a group started by hand)")
     Settings.add_arguments(ap, scopes=("group", "engine"), extra=("checkpoint_dir",))
     return ap
 
