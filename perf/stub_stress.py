@@ -16,6 +16,7 @@ crashed=1 (exit code 1) when the server died or its log shows a signal.
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import sys
 import tempfile
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     log = (root / "tritonserver.log").read_text(errors="replace")
     crashed = not alive or any(k in log for k in ("Signal (", "lock_exception", "died of signal"))
     soak.stop_server(proc)
+    if not crashed:
+        shutil.rmtree(root, ignore_errors=True)
     print(f"stub_stress: seconds={elapsed:.0f} refused={counts['refused']} served={counts['served']} "
           f"other={counts['other']} crashed={int(crashed)}" + (f" log={root / 'tritonserver.log'}" if crashed else ""),
           flush=True)
