@@ -678,6 +678,7 @@ def start_server(args, root: Path, ready_timeout_s: float = 300.0) -> subprocess
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(args.http_port), GRPC_PORT=str(args.grpc_port),
                METRICS_PORT=str(args.metrics_port))
     env.pop("V4FLASH_CHECKPOINT_DIR", None)
+    env.setdefault("SERVE_MAX_RESTARTS", "0")  # a crash must show as one, not as a restarted server
     log = open(root / "tritonserver.log", "wb")
     proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

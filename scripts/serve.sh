@@ -6,6 +6,17 @@
 #
 #   scripts/serve.sh [extra tritonserver args]
 #
+# Supervision: when tritonserver dies of a signal (a crash: SIGSEGV, SIGABRT, SIGKILL by hand or
+# by the OOM killer), it is started again after a back-off of 1, 2, 4, ... 30 s, each restart
+# logged as "[serve] tritonserver ... restarting"; at most SERVE_MAX_RESTARTS times (default 5;
+# the count starts again after a run of 10 minutes; 0: no supervision, the script becomes
+# tritonserver as before). An exit with a code (a model that fails to load, a bad flag) is not
+# retried: it would fail the same way. Ctrl-C or SIGTERM stops the server and the loop. The
+# crashed server's rank group does not outlive it (its ranks watch the Triton stub that launched
+# them and the server), so the new server's group finds the cores free; whatever else is left of
+# the dead server's session (a hung stub) is killed before the restart. In production a container
+# orchestrator restarts the container instead: set SERVE_MAX_RESTARTS=0 there.
+#
 # Setup (each step is skipped when already done):
 #   1. .venv and the package (make venv), tritonserver + clients + backend dir (make triton);
 #   2. the checkpoint: the v4flash model's checkpoint_dir parameter when set, else
@@ -46,4 +57,52 @@ EOF
 export V4FLASH_CHECKPOINT_DIR=$ckpt
 
 echo "[serve] tritonserver on 127.0.0.1: http ${HTTP_PORT:-8000}, grpc ${GRPC_PORT:-8001}, metrics ${METRICS_PORT:-8002}; ready when http://127.0.0.1:${HTTP_PORT:-8000}/v2/health/ready answers 200" >&2
-exec bash scripts/run_tritonserver.sh "$@"
+max_restarts=${SERVE_MAX_RESTARTS:-5}
+if ((max_restarts <= 0)); then
+    exec bash scripts/run_tritonserver.sh "$@"
+fi
+
+stopping=0
+pid=
+on_stop() {
+    stopping=1
+    [[ -n $pid ]] && kill -TERM "$pid" 2>/dev/null
+}
+trap on_stop INT TERM
+restarts=0
+backoff=1
+while :; do
+    started=$SECONDS
+    # its own session (setsid, same pid: a background job here leads no process group), so that
+    # what a crashed server leaves behind can be killed with it; run_tritonserver.sh's foreground
+    # mode then execs tritonserver, so $pid is the server's
+    setsid bash scripts/run_tritonserver.sh "$@" &
+    pid=$!
+    rc=0
+    while :; do  # a trapped signal ends `wait` early: wait again until the server is gone
+        wait "$pid" && rc=0 || rc=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    ran=$((SECONDS - started))
+    # the python-backend stubs of a crashed server can hang instead of exiting (a stub waiting on
+    # the dead server), holding memory and their rank group's watch: end whatever is left of it
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    if ((stopping)); then
+        exit "$rc"
+    fi
+    if ((rc <= 128)); then  # a clean exit or an error exit: not a crash
+        echo "[serve] tritonserver exited with code $rc after ${ran} s" >&2
+        exit "$rc"
+    fi
+    ((ran >= 600)) && restarts=0 && backoff=1
+    if ((restarts >= max_restarts)); then
+        echo "[serve] tritonserver (pid $pid) died of signal $((rc - 128)) after ${ran} s; $restarts restart(s) already, giving up (SERVE_MAX_RESTARTS=$max_restarts)" >&2
+        exit "$rc"
+    fi
+    restarts=$((restarts + 1))
+    echo "[serve] tritonserver (pid $pid) died of signal $((rc - 128)) after ${ran} s; restarting in ${backoff} s (restart $restarts of at most $max_restarts)" >&2
+    sleep "$backoff" &
+    wait $! || true
+    ((stopping)) && exit "$rc"
+    backoff=$((backoff * 2 > 30 ? 30 : backoff * 2))
+done

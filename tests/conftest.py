@@ -10,6 +10,10 @@ GOLDEN = REPO.parent / "shared" / "golden" / "v41-tiny"
 # Many small tensor ops: on a 2-core CI machine one intra-op thread is both faster and deterministic.
 torch.set_num_threads(int(os.environ.get("V4FLASH_TEST_THREADS", "1")))
 
+# The servers the tests start (scripts/serve.sh) are not restarted after a crash: a crash must fail
+# the test that hit it (tests/test_serve_supervision.py turns restarts on for itself).
+os.environ.setdefault("SERVE_MAX_RESTARTS", "0")
+
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:

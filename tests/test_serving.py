@@ -550,6 +550,75 @@ def test_a_failing_client_still_frees_the_engine_side():
         svc.close()
 
 
+class ThreadLog:
+    """Records the thread of every call that would reach the python backend's stub."""
+
+    def __init__(self):
+        self.threads = set()
+
+    def note(self):
+        self.threads.add(threading.current_thread().name)
+
+
+def test_every_stub_call_runs_on_the_sender_thread():
+    """Response sends, cancellation checks and metric updates from every path (a refusal in
+    execute, a stream, the stats refresh, close() failing what is left) reach the stub from one
+    thread: the 2.51 stub does not serialize concurrent metric updates (service.py's docstring)."""
+    log = ThreadLog()
+
+    class LoggedMetric(FakeMetric):
+        def increment(self, v):
+            log.note()
+            super().increment(v)
+
+        def set(self, v):
+            log.note()
+            super().set(v)
+
+        def observe(self, v):
+            log.note()
+            super().observe(v)
+
+    class LoggedFamily(FakeFamily):
+        def Metric(self, labels, buckets=None):  # noqa: N802
+            return LoggedMetric()
+
+    class LoggedPb:
+        MetricFamily = LoggedFamily
+
+    class LoggedSink(Sink):
+        def send(self, outputs, error, final):
+            log.note()
+            super().send(outputs, error, final)
+
+        def is_cancelled(self):
+            log.note()
+            return super().is_cancelled()
+
+    class Stubborn(ScriptedBackend):
+        def cancel(self, rid):  # never confirms: close() must fail the request itself
+            self.cancelled.append(rid)
+
+    backend = Stubborn(lambda req: [] if req.max_tokens == 16 else [_chunk([3], [0]), _chunk([4], [0], "length")])
+    m = ServingMetrics(LoggedPb(), "v4flash", "1")
+    svc = _service(backend, m)
+    refused, streamed, held = LoggedSink(), LoggedSink(), LoggedSink()
+    svc.handle({"input_ids": i32(0), "top_p": np.array([2.0], dtype=np.float32)}, None, refused)
+    svc.handle({"input_ids": i32(0), "stream": np.array([True]), "max_tokens": i32(4)}, None, streamed)
+    svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, held)
+    refused.wait()
+    streamed.wait()
+    time.sleep(0.1)  # stats refreshes
+    finished, slots_total = m.finished, m.slots_total  # close() drops them
+    svc.close(drain_s=0.1)
+    assert held.sent[-1][1].code == "UNAVAILABLE" and refused.sent[-1][1].code == "INVALID_ARG"
+    assert finished["error"].value == 2 and finished["length"].value == 1 and slots_total.value == 4
+    assert log.threads == {"v4flash-responses"}
+    late = Sink()  # after close: refused at once (answered on this thread, the sender is gone)
+    svc.handle({"input_ids": i32(0)}, None, late)
+    assert late.sent[-1][1].code == "UNAVAILABLE" and "shutting down" in late.sent[-1][1].message
+
+
 def test_in_process_engine_streams_what_it_returns_whole(tokenizer):
     """The real engine (golden tiny checkpoint, DSpark off for speed) behind the service:
     streamed ids and text equal the non-streamed ones, in one batch of concurrent requests."""
@@ -619,10 +688,11 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
     settings = Settings(checkpoint_dir=GOLDEN, world_size=2, max_num_seqs=3, max_model_len=77,
                         spec_mode="off", sps_path="/tmp/sps.json")
     logs = []
-    backend = rgc.RankGroupEngine(settings, logs.append, watchdog_interval_s=0.02)
+    backend = rgc.RankGroupEngine(settings, logs.append, watchdog_interval_s=0.02, watch_also=(4242,))
     try:
         assert backend.vocab_size == V  # from the checkpoint's config.json
         [(launched, kw, first)] = FakeGroup.launched
+        assert kw == {"watch_also": (4242,)}  # the ranks die with the server too (model.py passes its pid)
         assert (launched.checkpoint_dir, launched.world_size, launched.max_num_seqs, launched.max_model_len) == (
             str(GOLDEN), 2, 3, 77)
         wire = Settings.from_json(launched.to_json())  # what the workers receive
@@ -637,6 +707,7 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
         while backend.restarts == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert backend.restarts == 1 and len(FakeGroup.launched) == 2 and first.shut_down
+        assert FakeGroup.launched[1][1] == {"watch_also": (4242,)}  # a restarted group too
         second = FakeGroup.launched[1][2]
         assert backend.group is second and second.submitted[0][2] == "warmup"
         backend.cancel("r2")

@@ -12,6 +12,7 @@ otherwise the installed v4flash_backend package is used.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,8 +73,11 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "v4flash streams token chunks: set model_transaction_policy { decoupled: true }")
         try:
+            # the rank group dies with this stub and with the server (the stub's parent): when
+            # tritonserver crashes, a stub can hang instead of exiting (rank_group_client.py)
             self._service = build_service(config, args["model_repository"], args["model_name"],
-                                          args["model_version"], metric_api=pb_utils, log=_log)
+                                          args["model_version"], metric_api=pb_utils, log=_log,
+                                          watch_also=(os.getppid(),))
         except Exception as exc:  # a bad parameter or a failed launch fails the load, clearly
             raise pb_utils.TritonModelException(f"v4flash failed to start: {type(exc).__name__}: {exc}")
 

@@ -10,6 +10,14 @@ one torchrun per node). Then `submit` streams a request's events, `cancel`, `hea
 This module imports only the standard library: it runs inside the Triton python-backend stub,
 whose interpreter need not have torch.
 
+Lifetime: a launched group dies with the process that launched it (the Triton stub, or the CLI),
+however that process ends, so a crashed server never leaves ranks holding the devices: every rank
+watches the launcher (`--watch-launcher PID:START`, the pid and its start time so that a reused pid
+is not mistaken for it; the Triton model adds the server's, `watch_also`) and exits within about a
+second of its death, and torchrun itself gets PR_SET_PDEATHSIG (`_guarded`). A group reached with
+`connect` (started by hand or by an orchestrator, one torchrun per node) carries no watch and
+outlives its clients.
+
 Failure: when the connection to rank 0 breaks (a rank died: the others exit within seconds on
 their collective's error or timeout and torchrun tears the group down), every request in flight
 receives a final {"event": "error", "code": "UNAVAILABLE"} message, `health()` reports
@@ -71,16 +79,57 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: int, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None) -> list[str]:
+                 master_port: int, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
+                 watch_launcher: str | None = None) -> list[str]:
     """The torchrun command of one node of a rank group (`launch` runs the single-node one; a
     multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
     last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
-    port_file."""
+    port_file. ``watch_launcher`` ("PID:START[,PID:START...]", `launcher_identity`): every rank exits
+    when one of those processes is gone (what `launch` passes; a group started by hand has none)."""
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
            "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
            "--host", host, "--port", str(port)]
-    return cmd + (["--port-file", port_file] if port_file else [])
+    return (cmd + (["--port-file", port_file] if port_file else [])
+            + (["--watch-launcher", watch_launcher] if watch_launcher else []))
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks after boot), or None when the process
+    is gone or a zombie (exited, not yet reaped: as good as gone for a watcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[22 - 3])
+
+
+def launcher_identity(pid: int | None = None) -> str:
+    """"PID:START" of this process (or ``pid``): what the ranks of a launched group watch."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}:{process_start_time(pid)}"
+
+
+# Run before torchrun, in the child: ask the kernel for SIGTERM when the parent dies, check the parent
+# is still the launcher (it may have died between fork and prctl), then become torchrun (execv keeps
+# the pid and the death signal). Not a Popen preexec_fn: that is unsafe in a process with threads
+# (the Triton stub has several).
+_GUARD = ("import ctypes, os, signal, sys\n"
+          "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "if os.getppid() != int(sys.argv[1]):\n"
+          "    sys.exit('launcher already gone')\n"
+          "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _guarded(cmd: list[str], python: str, parent_pid: int | None = None) -> list[str]:
+    """``cmd`` run so that it receives SIGTERM when the thread that starts it ends (PR_SET_PDEATHSIG
+    fires on the death of the forking *thread*, not just of its process: start it from a thread that
+    lives as long as the child, e.g. the main thread)."""
+    return [python, "-c", _GUARD, str(os.getpid() if parent_pid is None else parent_pid), *cmd]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -163,16 +212,29 @@ class RankGroup:
     # ---- starting ---------------------------------------------------------------------------------
     @classmethod
     def launch(cls, settings, python: str | None = None, env: dict | None = None, log_path: str | None = None,
-               nproc_per_node: int | None = None) -> "RankGroup":
+               nproc_per_node: int | None = None, tie_to_thread: bool | None = None,
+               watch_also: tuple[int, ...] = ()) -> "RankGroup":
         """Start a single-node group of `settings.world_size` ranks and connect to it. The workers get
-        the settings as one JSON object (`Settings.to_json`); rank 0 listens on loopback."""
+        the settings as one JSON object (`Settings.to_json`); rank 0 listens on loopback.
+
+        The group dies with this process: every rank watches it (`--watch-launcher`). With
+        ``tie_to_thread`` (default: when called from the main thread) torchrun also gets
+        PR_SET_PDEATHSIG, which the kernel sends when the *calling thread* ends, so pass True only
+        from a thread that lives as long as the group. ``watch_also``: more pids whose death ends the
+        group (the Triton model passes the server's: a stub can hang instead of exiting when the
+        server under it dies, see `serving.rank_group_client`)."""
         py = project_python(python)
         workdir = tempfile.mkdtemp(prefix="v4flash-group-")
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
         cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
-                           "127.0.0.1", 0, port_file)
+                           "127.0.0.1", 0, port_file,
+                           watch_launcher=",".join(launcher_identity(p) for p in (os.getpid(), *watch_also)))
+        if tie_to_thread is None:
+            tie_to_thread = threading.current_thread() is threading.main_thread()
+        if tie_to_thread:
+            cmd = _guarded(cmd, py)
         e = dict(os.environ)
         if PACKAGE_DIR.parent.name not in ("site-packages", "dist-packages"):
             # a source checkout (<repo>/src): make the workers import this copy. An installed package
@@ -187,7 +249,8 @@ class RankGroup:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
                                 start_new_session=True)
         log.close()
-        launch_args = dict(settings=settings, python=python, env=env, nproc_per_node=nproc_per_node)
+        launch_args = dict(settings=settings, python=python, env=env, nproc_per_node=nproc_per_node,
+                           watch_also=watch_also)
         deadline = time.monotonic() + start_timeout_s
         while not os.path.exists(port_file):
             if proc.poll() is not None:

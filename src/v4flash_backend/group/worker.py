@@ -598,6 +598,60 @@ def _die_with_parent() -> None:
         sys.exit("parent process already gone")
 
 
+LAUNCHER_GONE_EXIT = 3  # a rank's exit code when the process that launched the group died
+
+
+def _watch_launcher(spec: str | None) -> None:
+    """Exit (code LAUNCHER_GONE_EXIT, torchrun then ends the other ranks) as soon as one of the
+    processes "PID:START[,PID:START...]" (`rank_group.launcher_identity`; `RankGroup.launch` passes
+    its own process, and the Triton model adds the server) is gone: the Triton stub may die without
+    stopping us (SIGSEGV, SIGKILL), or hang when the server under it died, and PR_SET_PDEATHSIG only
+    watches torchrun. A pidfd each (Linux >= 5.3) wakes a daemon thread the moment one exits;
+    elsewhere the thread polls /proc every second. The start time tells a reused pid from the
+    process it named. No watch without a spec: a group started by hand (rank_group_address)
+    outlives its clients."""
+    if not spec:
+        return
+    import select
+
+    from v4flash_backend.group.rank_group import process_start_time
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    def gone(pid: int, why: str) -> None:
+        _log(rank, f"launcher pid {pid} is gone ({why}): stopping the rank group")
+        os._exit(LAUNCHER_GONE_EXIT)
+
+    watched = {}  # pid -> (start time, pidfd or None)
+    for item in spec.split(","):
+        pid_s, _, start_s = item.partition(":")
+        pid, start = int(pid_s), int(start_s) if start_s.isdigit() else None
+        fd = None
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            gone(pid, "no such process")
+        except (OSError, AttributeError):
+            pass
+        if start is None or process_start_time(pid) != start:  # after pidfd_open: it pins the process it names
+            gone(pid, "exited, or its pid now names another process")
+        watched[pid] = (start, fd)
+
+    def watch() -> None:
+        fds = {fd: pid for pid, (_, fd) in watched.items() if fd is not None}
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        while True:
+            for fd, _ in p.poll(None if len(fds) == len(watched) else 1000):
+                gone(fds[fd], "exited")
+            for pid, (start, fd) in watched.items():
+                if fd is None and process_start_time(pid) != start:
+                    gone(pid, "exited")
+
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
 def _log(rank: int, msg: str) -> None:
     print(f"[v4flash rank {rank}] {msg}", file=sys.stderr, flush=True)
 
@@ -612,6 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default)")
     ap.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     ap.add_argument("--port-file", help="rank 0 writes {host, port, pids, ...} here once every rank is ready")
+    ap.add_argument("--watch-launcher", metavar="PID:START[,PID:START...]",
+                    help="exit when one of these processes (pid, start time: /proc/PID/stat field 22) is "
+                         "gone (RankGroup.launch passes its own, the Triton model adds the server's; none "
+                         "for a group started by hand)")
     Settings.add_arguments(ap, scopes=("group", "engine"), extra=("checkpoint_dir",))
     return ap
 
@@ -634,6 +692,7 @@ def parse_settings(ap: argparse.ArgumentParser, argv=None):
 def main(argv=None) -> int:
     args, settings = parse_settings(build_parser(), argv)
     _die_with_parent()
+    _watch_launcher(args.watch_launcher)
     from v4flash_backend import ops
     from v4flash_backend.parallel.collectives import init_distributed
     from v4flash_backend.parallel.comm import load_sharded_model

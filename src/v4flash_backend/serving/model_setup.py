@@ -28,22 +28,25 @@ def load_tokenizer(path: Path, log: Callable[[str], None]) -> Tokenizer | None:
     return Tokenizer.from_file(str(path))
 
 
-def make_engine(settings: Settings, log: Callable[[str], None] = print) -> EngineClient:
-    """The engine client the settings ask for (launcher setting)."""
+def make_engine(settings: Settings, log: Callable[[str], None] = print,
+                watch_also: tuple[int, ...] = ()) -> EngineClient:
+    """The engine client the settings ask for (launcher setting); ``watch_also``: pids a launched
+    rank group dies with besides this process (`RankGroupEngine`)."""
     if settings.launcher == "inprocess":
         return InProcessEngine(settings, log)
     from .rank_group_client import RankGroupEngine
 
-    return RankGroupEngine(settings, log)
+    return RankGroupEngine(settings, log, watch_also=watch_also)
 
 
 def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash", model_version: str = "1",
                   metric_api=None, log: Callable[[str], None] = print,
-                  engine: EngineClient | None = None) -> GenerateService:
+                  engine: EngineClient | None = None, watch_also: tuple[int, ...] = ()) -> GenerateService:
     """The model's `GenerateService` (engine launched, tokenizer loaded, metrics registered).
 
     ``metric_api``: ``pb_utils`` (its MetricFamily) or None for no metrics. ``engine``:
-    an already built engine client (tests); default: the one the settings ask for.
+    an already built engine client (tests); default: the one the settings ask for, its rank group
+    dying with this process and the pids in ``watch_also`` (model.py: the server's).
     """
     settings, source, unknown = load_settings(model_config, model_dir)
     log(f"[v4flash] checkpoint {settings.checkpoint_dir} ({source}); "
@@ -59,7 +62,7 @@ def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash
         except Exception as exc:  # server started with --allow-metrics=false
             log(f"[v4flash] metrics disabled: {exc}")
     if engine is None:
-        engine = make_engine(settings, log)
+        engine = make_engine(settings, log, watch_also)
     tokenize = None
     if tokenizer is not None:
         add = settings.add_special_tokens

@@ -5,6 +5,13 @@ forwards requests and cancellations, and brings a failed group back: when the gr
 `RankGroup` fails the requests in flight with UNAVAILABLE and answers new ones the same
 way at once; a watchdog thread here restarts a group it launched (reconnects to an external
 one) so the model serves again without a Triton restart.
+
+A launched group dies with this process (`RankGroup.launch`: the ranks watch it) and with the
+pids in ``watch_also``: the Triton model passes the server's, because when tritonserver dies the
+2.51 stub can hang instead of exiting (its health thread, seeing the server gone, blocks on the
+mutex its stub-to-parent thread holds while it waits for the dead server's answer to an
+`is_cancelled()`; python_backend r24.10 pb_stub.cc), which would keep a group watching only the
+stub alive for good. An external group (rank_group_address) carries no watch.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ _WARMUP_PROMPT = [0, 3, 4, 5]
 
 class RankGroupEngine:
     def __init__(self, settings: Settings, log: Callable[[str], None] = print,
-                 watchdog_interval_s: float = 1.0):
+                 watchdog_interval_s: float = 1.0, watch_also: tuple[int, ...] = ()):
         self.settings = settings
+        self.watch_also = tuple(watch_also)  # more pids the ranks of a launched group die with
         self.log = log
         self.vocab_size = checkpoint_vocab_size(settings.checkpoint_dir)
         self.max_model_len = settings.max_model_len
@@ -46,7 +54,7 @@ class RankGroupEngine:
             group = RankGroup.connect(s.rank_group_address, timeout_s=s.startup_timeout_s)
             self.log(f"[v4flash] connected to the rank group at {s.rank_group_address}: {group.info}")
         else:
-            group = RankGroup.launch(s)
+            group = RankGroup.launch(s, watch_also=self.watch_also)
             self.log(f"[v4flash] rank group of {s.world_size} rank(s) up in {time.monotonic() - t0:.1f} s "
                      f"(pids {group.pids}; log {group.log_path})")
         self._warm_up(group)

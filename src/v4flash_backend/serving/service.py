@@ -3,7 +3,19 @@
 Shape of vllm_backend's model.py: `handle()` runs in ``execute`` and only parses and
 submits; engine events are queued by the engine client's thread and a dedicated sender thread
 turns them into responses, sends them, watches for cancellation and updates metrics, so
-the engine never waits on the stub's IPC. Every request gets exactly one FINAL response:
+the engine never waits on the stub's IPC.
+
+One thread talks to the stub. Every response send, cancellation check and metric update runs on
+the sender thread: ``execute`` (an immediate refusal), the stats thread and ``close`` hand theirs
+over as callables on the same queue (`_post`). The python backend's stub does not serialize them
+(python_backend r24.10, the 2.51 release: `Metric::SendIncrementRequest` / `SendObserveRequest`
+release the GIL and then rewrite the metric's shared-memory message members in
+`Metric::SaveToSharedMemory` with no lock, so two threads updating one metric, as the execute
+thread's refusals and the sender's finals did with `requests_finished_total` and the e2e
+histogram, race inside the stub; `ResponseSender::Send` also runs without the GIL). Logging
+(`pb_utils.Logger`) stays on any thread: the stub queues log records under its own mutex.
+
+Every request gets exactly one FINAL response:
 with its last data, or with an error (INVALID_ARG for a bad request, CANCELLED after a
 client cancellation, UNAVAILABLE when the engine failed or is shutting down).
 
@@ -60,7 +72,8 @@ class GenerateService:
         self.log = log
         self.poll_s = poll_s
         self.settings = None  # the Settings it was built from (model_setup), if any
-        self._events: queue.Queue = queue.Queue()
+        self._events: queue.Queue = queue.Queue()  # (request id, event) | a callable | None: stop
+        self._gauge_in_flight: int | None = None  # the in-flight gauge's last value (sender thread)
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -109,6 +122,14 @@ class GenerateService:
         with self._lock:
             return len(self._flights)
 
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the sender thread, the one thread that calls the stub (see the module doc);
+        once that thread has ended (after close), here: no other thread talks to the stub then."""
+        if self._sender.is_alive():
+            self._events.put(fn)
+        else:
+            fn()
+
     def close(self, drain_s: float = 5.0) -> None:
         """Cancel what is in flight, give the engine ``drain_s`` to confirm, fail the rest,
         then close the engine client and the metrics."""
@@ -124,7 +145,7 @@ class GenerateService:
         with self._lock:
             left = list(self._flights.values())
         for f in left:
-            self._finish(f, "error", RequestError("the model is shutting down", "UNAVAILABLE"))
+            self._post(lambda f=f: self._finish(f, "error", RequestError("the model is shutting down", "UNAVAILABLE")))
         self._events.put(None)
         self._sender.join(timeout=10)
         if self._stats.is_alive():
@@ -133,28 +154,26 @@ class GenerateService:
             self.engine.close()
         finally:
             if self.metrics is not None:
-                self.metrics.close()
+                metrics, self.metrics = self.metrics, None  # later refusals update nothing
+                metrics.close()
 
     # ---- bookkeeping ---------------------------------------------------------------------------
+    # (the in-flight gauge is refreshed by the sender thread, `_refresh_in_flight`)
     def _add(self, f: _Flight) -> None:
         with self._lock:
             self._flights[f.id] = f
-            n = len(self._flights)
-        if self.metrics:
-            self.metrics.set_in_flight(n)
 
     def _drop(self, f: _Flight) -> bool:
         with self._lock:
-            gone = self._flights.pop(f.id, None) is not None
-            n = len(self._flights)
-        if gone and self.metrics:
-            self.metrics.set_in_flight(n)
-        return gone
+            return self._flights.pop(f.id, None) is not None
 
     def _reject(self, sink: ResponseSink, exc: RequestError, arrival: float) -> None:
-        self._safe_send(sink, None, exc, True)
-        if self.metrics:
-            self.metrics.on_finished("error", time.monotonic() - arrival)
+        """Answer a request that never reached the engine (called from ``execute``)."""
+        def answer():
+            self._safe_send(sink, None, exc, True)
+            if self.metrics:
+                self.metrics.on_finished("error", time.monotonic() - arrival)
+        self._post(answer)
 
     def _safe_send(self, sink: ResponseSink, outputs, error, final) -> bool:
         try:
@@ -191,8 +210,14 @@ class GenerateService:
             except queue.Empty:
                 item = ()
             if item is None:
+                self._refresh_in_flight()
                 return
-            if item:
+            if callable(item):
+                try:
+                    item()
+                except Exception as exc:  # a failed metric update or refusal must not stop the loop
+                    self.log(f"[v4flash] sender task failed: {type(exc).__name__}: {exc}")
+            elif item:
                 rid, ev = item
                 with self._lock:
                     f = self._flights.get(rid)
@@ -203,9 +228,18 @@ class GenerateService:
                         self.log(f"[v4flash] internal error on request {rid}: {type(exc).__name__}: {exc}")
                         self._request_cancel(f)
                         self._finish(f, "error", RequestError(f"internal error: {exc}", "INTERNAL"))
+            self._refresh_in_flight()
             if time.monotonic() - last_poll >= self.poll_s:
                 last_poll = time.monotonic()
                 self._poll_cancellations()
+
+    def _refresh_in_flight(self) -> None:
+        if self.metrics is None:
+            return
+        n = self.in_flight()
+        if n != self._gauge_in_flight:
+            self._gauge_in_flight = n
+            self.metrics.set_in_flight(n)
 
     def _poll_cancellations(self) -> None:
         with self._lock:
@@ -266,13 +300,16 @@ class GenerateService:
             if self._closing.is_set():
                 return
             try:
-                st = self.engine.stats()
-                self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
-                self.metrics.set_queue(int(st.get("waiting", 0)), int(st.get("rejected", 0)),
-                                       int(st.get("expired", 0)), int(st.get("restarts") or 0))
-                self.metrics.set_decode(st)
+                st = self.engine.stats()  # a rank-group round trip: here, not on the sender thread
+                self._post(lambda st=st: self._apply_stats(st))
                 failed = False
             except Exception as exc:
                 if not failed:  # log once per outage, not twice a second
                     self.log(f"[v4flash] engine stats unavailable: {type(exc).__name__}: {exc}")
                 failed = True
+
+    def _apply_stats(self, st: dict) -> None:  # on the sender thread
+        self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
+        self.metrics.set_queue(int(st.get("waiting", 0)), int(st.get("rejected", 0)),
+                               int(st.get("expired", 0)), int(st.get("restarts") or 0))
+        self.metrics.set_decode(st)
