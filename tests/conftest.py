@@ -42,3 +42,40 @@ def _default_ops():
     yield
     ops.set_backend("torch")
     ops.set_numerics("exact")
+
+
+# A 4-layer model with every block type of V4.1 (window-only layer 0, Engram before layers 1 and 2,
+# a ratio-2 KV / index source, a ratio-1 KV / index / candidate source, a ratio-1 index source whose
+# scores the candidate blocks mask, the 3 DSpark stages tapping 1-3), random weights (seeded), the
+# embedded model's tokenizer and attention shape (2 o-groups of 2 heads: W = 4 runs as attention
+# groups of 2). For the tests that compile graphs: dynamo traces every op of a graph in Python
+# (~3 ms a node on the CI's cores), and the verify graph of the 10-layer golden model has ~17,600
+# nodes against ~7,500 here, so a compiled test costs well under half. What it checks (one graph per
+# entry point, fullgraph, no sync, compiled = eager bit for bit) does not depend on depth.
+SMALL = dict(n_layers=4, compress_ratios=(0, 2, 1, 1, 0, 0, 0), kv_source_layers=(1, 2),
+             index_source_layers=(1, 2, 3), candidate_source_layer=2, engram_layer_ids=(1, 2),
+             dspark_target_layer_ids=(1, 2, 3))
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    from v4flash_backend.training.params import init_masters
+    from v4flash_backend.training.tiny import export, tiny_config
+
+    tok = Tokenizer.from_file(str(REPO / "models" / "v4flash-tiny" / "tokenizer.json"))
+    cfg = tiny_config(tok, **SMALL)
+    cfg.validate()
+    out = tmp_path_factory.mktemp("small4")
+    export(cfg, init_masters(cfg, 7), tok, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_model(small_ckpt):
+    from v4flash_backend import ops
+    from v4flash_backend.model.loading import load_model
+
+    ops.set_numerics("exact")
+    return load_model(small_ckpt)

@@ -122,14 +122,14 @@ def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
+def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
     """torch.compile(fullgraph=True) with the 'eager' dynamo backend (captures the whole graph,
     then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point and
     variant (plain, and processed: min_tokens / penalties / log-probs), none re-traced while
     serving, no host sync in a graph (compile_step refuses one); the eager engine's tokens and
-    log-probs (exact)."""
+    log-probs (exact). On the 4-layer model (conftest.SMALL: every block type, half the trace)."""
     ops.set_numerics("exact")
-    sr = StaticRunner(tiny_model, 1, 40, settings=NeuronSettings(backend="eager"))
+    sr = StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="eager"))
     sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
     assert sr.graphs.stats.graphs == 4
     sr.warm_up_prefill(None)  # + the bare verify graph: the 5-token prompts are short segments
@@ -148,7 +148,7 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(tiny_model):
 
     got, st = serve(sr)
     assert sr.graphs.stats.graphs == 5, "a graph was re-traced while serving"
-    want, _ = serve(LocalRunner(tiny_model, 2, 40))
+    want, _ = serve(LocalRunner(small_model, 2, 40))
     assert got == want and got[1][-1][1] is not None
     assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
 
@@ -204,26 +204,21 @@ def _check_compiled_group(got, want, st, world):
 
 
 @pytest.mark.slow
-def test_rank_group_w2_compiled_static_equals_w1_eager(tiny_model, golden_dir):
+def test_rank_group_w2_compiled_static_equals_w1_eager(small_model, small_ckpt):
     """torchrun + gloo, W = 2, the round graphs compiled (fullgraph, 'eager' dynamo backend) with the
     functional collectives inside them: the same tokens as the in-process W = 1 eager engine, greedy
     and at T = 0.8 with a seed (same pinned SPS table), no graph re-traced while serving, 2 graph
     executions and 0 host syncs per decode step, the traced collectives counted outside the graphs."""
-    _check_compiled_group(*_group_compiled_vs_w1_eager(golden_dir, 2, tiny_model), 2)
+    _check_compiled_group(*_group_compiled_vs_w1_eager(small_ckpt, 2, small_model), 2)
 
 
 @pytest.mark.slow
-def test_rank_group_w4_compiled_static_equals_w1_eager():
-    """As at W = 2, at W = 4 on models/v4flash-tiny (2 o-groups: attention groups of 2 ranks,
-    replicated twice, `layout.attention_group_max`), four ranks compiling on the CI's 2 cores: one
-    decode bucket (1 sequence x 40 positions) and one prefill bucket, ~4 graphs per rank."""
-    from pathlib import Path
-
-    from v4flash_backend.model.loading import load_model
-
-    ckpt = Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny"
-    ops.set_numerics("exact")
-    _check_compiled_group(*_group_compiled_vs_w1_eager(ckpt, 4, load_model(ckpt)), 4)
+def test_rank_group_w4_compiled_static_equals_w1_eager(small_model, small_ckpt):
+    """As at W = 2, at W = 4 (the 4-layer model has the embedded model's attention shape, 2 o-groups:
+    attention groups of 2 ranks, replicated twice, `layout.attention_group_max`), four ranks
+    compiling on the CI's 2 cores: one decode bucket (1 sequence x 40 positions) and one prefill
+    bucket, ~4 graphs per rank."""
+    _check_compiled_group(*_group_compiled_vs_w1_eager(small_ckpt, 4, small_model), 4)
 
 
 def test_place_resident_moves_every_weight_and_cache(golden_dir):
