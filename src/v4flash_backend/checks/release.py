@@ -42,6 +42,7 @@ The last line is
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import sys
@@ -242,6 +243,11 @@ def load_rank(ckpt: Path, cfg: ModelConfig, lay: Layout, max_num_seqs: int,
     return model, rep
 
 
+def _smallest(allb):
+    b = min(allb, key=lambda b: (b.seqs, b.rows, b.ctx))
+    return [b]
+
+
 def _corners(allb):
     seqs = {min(b.seqs for b in allb), max(b.seqs for b in allb)}
     rows = {min(b.rows for b in allb), max(b.rows for b in allb)}
@@ -255,7 +261,7 @@ def select_buckets(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, whic
 
     rows = 1 + (cfg.dspark_block_size or 0)
     allb = decode_buckets(max_num_seqs, max_model_len, rows)
-    return allb if which == "all" else _corners(allb)
+    return allb if which == "all" else _corners(allb) if which == "corners" else _smallest(allb)
 
 
 def select_prefill_buckets(prefill_chunk: int, max_model_len: int, which: str = "all"):
@@ -266,7 +272,7 @@ def select_prefill_buckets(prefill_chunk: int, max_model_len: int, which: str = 
     if not prefill_chunk:
         return []
     allb = prefill_buckets(prefill_chunk, max_model_len)
-    return allb if which == "all" else _corners(allb)
+    return allb if which == "all" else _corners(allb) if which == "corners" else _smallest(allb)
 
 
 def to_meta(model) -> None:
@@ -444,11 +450,13 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
 # ---- the command ------------------------------------------------------------------------------------
 def release_check(config: str, world: int, rank: int, checkpoint: str | None = None, max_model_len: int = 65536,
                   max_num_seqs: int = 8, buckets: str = "all", kernels: bool = True, log=print,
-                  prefill_chunk: int | None = None):
-    """Run the three checks; returns (ok, final line). `buckets` 'all' (what serving compiles) or
+                  prefill_chunk: int | None = None, op_calls: str | None = None):
+    """Run the three checks; returns (ok, final line). `buckets` 'all' (what serving compiles),
     'corners' (fewest / most sequences (rows for prefill) x shortest / longest context: the test's
-    subset). `prefill_chunk`: the served setting the prefill graphs follow (None: its default; 0: no
-    prefill graphs)."""
+    subset) or 'smallest' (one decode and one prefill bucket). `prefill_chunk`: the served setting the
+    prefill graphs follow (None: its default; 0: no prefill graphs). `op_calls`: write the recorded op
+    call signatures (what the kernel check runs) to this JSON file, so that another rank's can be
+    compared with them without simulating the kernels again."""
     if prefill_chunk is None:
         from v4flash_backend.settings import Settings
 
@@ -481,6 +489,9 @@ def release_check(config: str, world: int, rank: int, checkpoint: str | None = N
                               prefill=select_prefill_buckets(prefill_chunk, max_model_len, buckets))
         del model
         gc.collect()
+        if op_calls:
+            Path(op_calls).write_text(json.dumps({op: sorted(repr(sig) for sig in sigs)
+                                                  for op, sigs in sorted(rec.calls.items())}, indent=0))
         kres = footprint.check_kernels(rec.calls, log=log) if kernels else []
     finally:
         ops.set_backend("torch")
@@ -507,21 +518,23 @@ def add_arguments(parser) -> None:
                         help="reuse this (sparse or real) checkpoint directory instead of writing one")
     parser.add_argument("--max-model-len", type=int, default=65536, help="as the placement report's default")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="as the placement report's default")
-    parser.add_argument("--buckets", default="all", choices=["all", "corners"],
+    parser.add_argument("--buckets", default="all", choices=["all", "corners", "smallest"],
                         help="all: every bucket serving compiles; corners: 1 and max_num_seqs sequences x the "
-                             "shortest and longest context bound")
+                             "shortest and longest context bound; smallest: one decode and one prefill bucket")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prompt rows per prefill graph, as the served prefill_chunk setting (default: its "
                              "default); 0: trace no prefill graphs")
     parser.add_argument("--no-kernels", dest="kernels", action="store_false",
                         help="skip the kernel check (kernels_ok=0/0)")
+    parser.add_argument("--op-calls", default=None, metavar="FILE",
+                        help="write the op call signatures the kernel check runs (JSON) to FILE")
 
 
 def main(args) -> int:
     torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
     ok, final = release_check(args.config, args.world_size, args.rank, args.checkpoint, args.max_model_len,
                               args.max_num_seqs, args.buckets, args.kernels, log=lambda s: print(s, flush=True),
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, op_calls=args.op_calls)
     print(final, flush=True)
     return 0 if ok else 1
 
