@@ -433,9 +433,12 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
     """Item 4 of issue 13: with a static runner, the step cost (the SPS table the rounds' admission
     reads) is timed on the decode rounds the server runs (both graphs of the bucket, through
     `decode_round`), not on the eager forward. The rounds are replaced by stand-ins that take a
-    known time per bucket (1 seq: 20 ms, 2: 120 ms, 4: 60 ms): the table must show each bucket's
-    time for the B = S x (1 + G) tokens it holds (tolerance: 15 ms of timer and scheduling noise
-    below, 60 ms above, on a loaded 2-core machine)."""
+    known time per bucket (1 seq: 20 ms, 2: 120 ms, 4: 60 ms) for the round that steps aside
+    (graph 1 alone) and 40 ms more with the draft graph: the forward table must show each bucket's
+    stepped-aside time for the B = S x (1 + G) tokens it holds, the draft seconds the 40 ms by R
+    (tolerance: 15 ms of timer and scheduling noise below, 60 ms above, on a loaded 2-core
+    machine; the draft seconds are a difference of two such medians: +-60 ms would say nothing,
+    so 10-100 ms)."""
     import time
 
     sr = StaticRunner(tiny_model, 4, 64, settings=NeuronSettings(backend="none"))
@@ -444,21 +447,22 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
     seen = []
 
     def fake_round(b, mode, fixed_len, x):
-        seen.append(b.seqs)
-        time.sleep(delay[b.seqs])
-        return torch.zeros(b.seqs, sr.G + 5, dtype=torch.long)
+        seen.append((b.seqs, mode))
+        time.sleep(delay[b.seqs] + (0.04 if mode != "off" else 0.0))
+        return torch.zeros(b.seqs, 2 * sr.G + 5, dtype=torch.long)
 
     monkeypatch.setattr(sr.graphs, "round", fake_round)
     eng = Engine(sr, Settings(max_num_seqs=4, max_model_len=64, sps_path=str(tmp_path / "sps.json")))
     cost = eng.ensure_cost()
     Q = 1 + eng.gamma
     sizes = list(cost.forward.sizes)
-    assert sizes[-1] == 4 * Q and set(seen) == {1, 2, 4}
+    assert sizes[-1] == 4 * Q and set(seen) == {(S, m) for S in (1, 2, 4) for m in ("off", "dspark")}
     for i, b in enumerate(sizes):
         S = min(s for s in delay if s * Q >= b)
         t = 1.0 / cost.forward.raw_sps[i]
         assert delay[S] - 0.015 < t < delay[S] + 0.06, (b, S, t)
-    assert cost.draft_seconds == {}  # drafting is inside the round
+    assert sorted(cost.draft_seconds) == [1, 2, 3, 4]  # every R up to max_num_seqs (R's bucket)
+    assert all(0.01 < v < 0.1 for v in cost.draft_seconds.values()), cost.draft_seconds
     assert StepCost.load(tmp_path / "sps.json").forward.sizes == cost.forward.sizes
 
 
