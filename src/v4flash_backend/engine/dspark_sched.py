@@ -250,7 +250,7 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
     bmax = sizes[-1]
     sps_b = torch.where(B > bmax, vals[-1] * bmax.double() / B.double(), vals[idx])
     if t_draft is not None:
-        td = t_draft[R]
+        td = t_draft.gather(0, R.reshape(1)).reshape(())  # a gather, not t_draft[R]: no host read of R
         sps_b = torch.where(td > 0, 1.0 / (1.0 / sps_b + td), sps_b)
     tau = R.double() + torch.cumsum(a_sorted, dim=-1)
     val = tau * sps_b[1:]

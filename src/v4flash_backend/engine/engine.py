@@ -256,6 +256,7 @@ class Engine:
                  prefill_graphs=getattr(self.runner, "counters", {}).get("prefill_graphs", 0),
                  boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
                  boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
+                 plain_decode_rounds=getattr(self.runner, "counters", {}).get("plain_decode_rounds", 0),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),

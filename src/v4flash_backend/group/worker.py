@@ -749,6 +749,9 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
 
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
                           stop_width=STOP_WIDTH, processed=settings.warm_processed)
+    if settings.dspark_adaptive or mode == "off":  # rounds that neither verify nor draft: 1 row per sequence
+        runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
+                               processed=settings.warm_processed)
     runner.warm_up_prefill(progress if rank == 0 else None)
     _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
                f"{time.monotonic() - t0:.1f} s")

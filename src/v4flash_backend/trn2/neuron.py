@@ -426,7 +426,26 @@ class StaticRunner(LocalRunner):
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
             self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
-        self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0)
+        # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
+        # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
+        # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
+        self.ngraphs = None
+        if self.G:
+            self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
+            self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
+                                        stats=self.graphs.stats, blocks=self.blocks)
+        self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
+
+    def warm_up_nodraft(self, progress=None, stop_width: int = 8, processed: bool = True) -> None:
+        """Compile every bucket's plain-decode round graph (and its logit-processing variant) on a
+        padding plan: the servers that step aside (dspark_adaptive) or do not draft (spec_mode off)."""
+        if self.ngraphs is None or self.graphs.settings.backend == "none":
+            return
+        bar = _Progress(len(self.ngraphs.buckets), progress)
+        for i, b in enumerate(self.ngraphs.buckets):
+            for proc in (False, True)[:1 + processed]:
+                self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
+            bar.show(i + 1, f"plain decode {b}")
 
     def warm_up_prefill(self, progress=None) -> None:
         """Compile every prefill bucket on a padding chunk (it writes nothing), and every decode
@@ -594,12 +613,18 @@ class StaticRunner(LocalRunner):
         counting = self.graphs.settings.backend == "none"  # op by op: watch for syncs (compiled: refused at compile)
         ctx = HostSyncCounter() if counting else _Null()
         spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
-        before = self.graphs.executions
+        graphs, before = self.graphs, self.graphs.executions
+        if mode == "off" and self.ngraphs is not None and all(e <= 0 for e in plan["ell"]):
+            # nothing to verify, nothing to draft: the bucket's plain-decode graph (1 row per sequence;
+            # its read-back has G = 0 columns of drafts and confidences, which the host reads alike)
+            graphs, before = self.ngraphs, self.ngraphs.executions
+            b = Bucket(b.seqs, 1, b.ctx)
+            self.counters["plain_decode_rounds"] += 1
         with spy:
             with ctx:  # host syncs inside the round (the read-back below is not one)
-                out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
+                out = graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
             rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
-        self._count(ctx.total, h2d, self.graphs.executions - before)
+        self._count(ctx.total, h2d, graphs.executions - before)
         if isinstance(spy, BoundarySpy):
             c = self.counters
             c["boundary_resident_moves"] = c.get("boundary_resident_moves", 0) + spy.resident_moves

@@ -69,9 +69,9 @@ def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, 
     [S, G+1] (-1 padded), committed count [S], accepted [S], stopped [S], taps), and with `proc`
     (the processed variant: `process_verify_rows`) also the log-probs pack of the committed tokens;
     last, the read-back of a round that stops here (no draft graph: next ell 0, no confidences)."""
-    G = dec.max_rows - 1
+    G = dec.max_rows - 1  # 0 for the plain-decode graph (1 row per sequence; the blocks hold more)
     S = slot.shape[0]
-    drafts = blk.tokens[slot]
+    drafts = blk.tokens[slot][:, :G]
     tokens = torch.cat([pending[:, None], drafts], dim=1)
     logits, taps = dec.verify(tokens, slot, start, n, ctx)
     V = logits.shape[-1]
@@ -80,8 +80,8 @@ def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, 
     ell = (n - 1).clamp_min(0)
     u_acc = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G) if G else torch.zeros(S, 0, dtype=torch.float64)
     u_fin = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 1, None)
-    res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot], blk.z[slot], ell, temperature, top_k, top_p,
-                        u_acc, u_fin, stop_ids, budget)
+    res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot][:, :G], blk.z[slot][:, :G], ell, temperature,
+                        top_k, top_p, u_acc, u_fin, stop_ids, budget)
     zero_c = torch.zeros(S, G, dtype=torch.float32)
     alone = pack(res.tokens, res.num_tokens, res.accepted, res.stopped, torch.zeros_like(res.num_tokens), zero_c)
     if proc is None:
