@@ -137,13 +137,14 @@ STEEP = StepCost(SPSTable([1, 2, 4, 8, 16, 32], [25.0, 24.5, 23.0, 19.0, 12.0, 6
 
 
 def _serve_batch(runner, reqs, cost, **kw):
-    """Two requests of different lengths and temperatures decoded together (submitted together, so
+    """Requests of different lengths and temperatures decoded together (submitted together, so
     every decode step is a round on a static runner); returns (tokens per request, stats, engine)."""
-    eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=96, spec_mode="dspark", dspark_adaptive=True, **kw))
+    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=96, spec_mode="dspark", dspark_adaptive=True, **kw))
     eng.cost = cost
     outs = {}
-    for i, (prompt, k, t, seed) in enumerate(reqs):
+    for i, (prompt, k, t, seed, *more) in enumerate(reqs):
         eng.submit(GenerateRequest(prompt=prompt, max_tokens=k, temperature=t, seed=seed, ignore_eos=True,
+                                   **(more[0] if more else {}),
                                    callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids)))
     rings = []  # after each step, the DSpark rings of the requests still running
     while eng.has_work():
@@ -161,8 +162,8 @@ def _check_static_equals_eager(model, reqs, cost, **kw):
     round, 2 per drafting one, no host sync. Exact numerics: equality, no tolerance."""
     from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
 
-    want, est, eeng = _serve_batch(LocalRunner(model, 3, 96), reqs, cost, **kw)
-    sr = StaticRunner(model, 2, 96, settings=NeuronSettings(backend="none"))
+    want, est, eeng = _serve_batch(LocalRunner(model, 4, 96), reqs, cost, **kw)
+    sr = StaticRunner(model, 3, 96, settings=NeuronSettings(backend="none"))
     got, st, seng = _serve_batch(sr, reqs, cost, **kw)
     assert got == want and all(len(got[i]) == r[1] for i, r in enumerate(reqs))
     assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] > 0
@@ -197,7 +198,10 @@ def test_static_rounds_step_aside_like_eager_steps(tiny_model):
 def test_static_rounds_keep_drafting_like_eager_steps():
     """models/v4flash-tiny's drafts are accepted and it ships a calibration (temperatures and shifts
     far from identity): both modes keep drafting, admitting by the calibrated survivals (a forward
-    that slows down with B: admission stops where a draft's survival does not pay for its row)."""
+    that slows down with B: admission stops where a draft's survival does not pay for its row). The
+    third request samples with min_tokens over its whole output and stop ids the model emits often
+    (16, 265, 289: the target and the drafts put mass on them), so the drafting's min_tokens mask
+    changes q: a draft graph without it commits other tokens than the eager engine."""
     from pathlib import Path
 
     from v4flash_backend import ops
@@ -206,7 +210,9 @@ def test_static_rounds_keep_drafting_like_eager_steps():
     ops.set_numerics("exact")
     ckpt = Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny"
     st = _check_static_equals_eager(load_model(ckpt), [([0, 263, 1180, 11, 437, 13], 24, 0.0, None),
-                                                       ([0, 263, 1180, 11], 16, 0.8, 3)], STEEP,
+                                                       ([0, 263, 1180, 11], 16, 0.8, 3),
+                                                       ([0, 263, 1180, 11, 437], 16, 0.8, 5,
+                                                        dict(min_tokens=16, stop_token_ids=(16, 265, 289)))], STEEP,
                                     checkpoint_dir=str(ckpt))
     assert st["draft_skipped"] == 0 and st["decode_steps_by_kind"]["draft"] == st["decode_steps"]
     assert 0 < st["admitted"] < st["drafted"] and st["tau"] > 1.5  # admission chose, not all-or-nothing
