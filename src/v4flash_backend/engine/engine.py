@@ -45,6 +45,7 @@ from .step_cost import StepCost, affine_checked, drafting_pays, expected_surviva
 ON_DEVICE = "device"
 STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the eager path)
 
+
 def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
     """The new block's [G] f32 confidence logits in a static round's read-back row (columns
     2G+5.., float64 bits: trn2.static_round.pack)."""
