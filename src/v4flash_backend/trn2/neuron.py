@@ -609,7 +609,9 @@ class StaticRunner(LocalRunner):
     def decode_round(self, plan: dict) -> list[list[int]]:
         b, x = self.round_inputs(plan)
         mode = plan["spec_mode"] if self.G else "off"
-        h2d = sum(t.numel() * t.element_size() for t in x.values())
+        # bytes in: the round's inputs (a round without the draft graph does not take its admission inputs)
+        h2d = sum(t.numel() * t.element_size() for k, t in x.items()
+                  if mode != "off" or k not in ("t_draft", "cal", "fixed_ell"))
         counting = self.graphs.settings.backend == "none"  # op by op: watch for syncs (compiled: refused at compile)
         ctx = HostSyncCounter() if counting else _Null()
         spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
