@@ -7,6 +7,13 @@ the last (the prefill step is eager in both modes).
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python perf/decode_graph_cpu.py --rounds 3 --prompts 6
 
 The SPS table is pinned (a profiled one would differ per run and change admission).
+
+    ... perf/decode_graph_cpu.py --adaptive --temperature 1 --rounds 3 --prompts 4
+
+compares instead, on the static runner only, DSpark with and without `dspark_adaptive` (calibrated
+admission, stepping aside, probes inside the rounds), with one step cost profiled on the static
+runner at start (`Engine.ensure_cost`: the stepped-aside round and the draft graph timed apart)
+and shared by both, on models/v4flash-tiny with its shipped calibration.
 """
 
 from __future__ import annotations
@@ -43,23 +50,32 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--graph-backend", default="none")
+    ap.add_argument("--adaptive", action="store_true", help="static only: dspark_adaptive off vs on")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ops.set_numerics("exact")
     m = load_model(args.checkpoint)
     L = 160
-    runners = {"eager": LocalRunner(m, 2, L)}
     sr = StaticRunner(m, 1, L, settings=NeuronSettings(backend=args.graph_backend))
     sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
-    runners["static"] = sr
+    cost = StepCost(SPS)
+    if args.adaptive:
+        sr.warm_up_nodraft(None, stop_width=STOP_WIDTH)
+        runners = {"static": sr, "static-adaptive": sr}
+        cost = Engine(sr, Settings(max_num_seqs=1, max_model_len=L)).ensure_cost()
+        print(f"step cost (profiled on the static rounds): {cost}")
+    else:
+        runners = {"eager": LocalRunner(m, 2, L), "static": sr}
+    modes = list(runners)
     g = torch.Generator().manual_seed(0)
     prompts = [[0] + torch.randint(3, 4000, (int(n),), generator=g).tolist()
                for n in torch.randint(8, 64, (args.prompts,), generator=g)]
     rates: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(args.rounds):
-        for mode in (["eager", "static"] if r % 2 == 0 else ["static", "eager"]):  # interleaved
-            eng = Engine(runners[mode], Settings(max_num_seqs=1, max_model_len=L))
-            eng.cost = StepCost(SPS)
+        for mode in (modes if r % 2 == 0 else modes[::-1]):  # interleaved
+            eng = Engine(runners[mode], Settings(max_num_seqs=1, max_model_len=L, checkpoint_dir=args.checkpoint,
+                                                 dspark_adaptive=mode.endswith("adaptive")))
+            eng.cost = cost
             for i, p in enumerate(prompts):
                 times = []
                 req = GenerateRequest(prompt=p, max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
@@ -73,6 +89,10 @@ def main(argv=None) -> int:
     for mode, v in rates.items():
         q = statistics.quantiles(v, n=4)
         print(f"{mode}: decode tok/s median {statistics.median(v):.1f} (IQR {q[0]:.1f}-{q[2]:.1f}, n={len(v)})")
+    if args.adaptive:
+        a, s = statistics.median(rates["static-adaptive"]), statistics.median(rates["static"])
+        print(f"adaptive/static: {a / s:.2f} (T = {args.temperature}, graph backend {args.graph_backend})")
+        return 0
     e, s = statistics.median(rates["eager"]), statistics.median(rates["static"])
     print(f"static/eager: {s / e:.2f} (graph backend {args.graph_backend}; a loaded 2-core machine)")
     return 0

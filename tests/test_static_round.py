@@ -127,30 +127,39 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
     then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point and
     variant (plain, and processed: min_tokens / penalties / log-probs), none re-traced while
     serving, no host sync in a graph (compile_step refuses one); the eager engine's tokens and
-    log-probs (exact). On the 4-layer model (conftest.SMALL: every block type, half the trace)."""
+    log-probs (exact). With dspark_adaptive (a step cost where the random drafts do not pay):
+    calibrated admission, probes and stepped-aside rounds (graph 1 alone) in the same compiled
+    graphs, the same decisions as the eager engine. On the 4-layer model (conftest.SMALL: every
+    block type, under half the golden model's trace)."""
     ops.set_numerics("exact")
     sr = StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="eager"))
     sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH)
     assert sr.graphs.stats.graphs == 4
     sr.warm_up_prefill(None)  # + the bare verify graph: the 5-token prompts are short segments
     assert sr.graphs.stats.graphs == 5
+    sr.warm_up_nodraft(None, stop_width=STOP_WIDTH)  # + the plain-decode graph (1 row), both variants
+    assert sr.graphs.stats.graphs == 7
     reqs = [dict(temperature=0.8, seed=7),
             dict(temperature=0.8, seed=5, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, logprobs=2)]
 
     def serve(runner):
-        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40))
-        eng.cost = StepCost(SPS)
+        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3))
+        eng.cost = StepCost(SPS, {1: 0.05})  # drafting costs half a forward: the random drafts do not pay
         out = []
         for kw in reqs:
-            ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=10, ignore_eos=True, **kw))
+            ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=12, ignore_eos=True, **kw))
             out.append([(e.token_ids, e.logprobs) for e in ev])
         return out, eng.stats()
 
     got, st = serve(sr)
-    assert sr.graphs.stats.graphs == 5, "a graph was re-traced while serving"
-    want, _ = serve(LocalRunner(small_model, 2, 40))
+    assert sr.graphs.stats.graphs == 7, "a graph was re-traced while serving"
+    want, est = serve(LocalRunner(small_model, 2, 40))
     assert got == want and got[1][-1][1] is not None
-    assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
+    assert st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
+    kinds = st["decode_steps_by_kind"]
+    assert kinds == est["decode_steps_by_kind"] and all(kinds.values()), kinds  # drafted, probed, stepped aside
+    assert st["graphs_per_step_by_kind"] == {"draft": 2, "probe": 2, "aside": 1}
+    assert sr.counters["plain_decode_rounds"] > 0  # stepped-aside rounds after the first: 1 row per sequence
 
 
 def _group_compiled_vs_w1_eager(ckpt, world, model):
@@ -293,12 +302,15 @@ def test_round_and_block_plans_round_trip():
     plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
                 rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
                 stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
-                sps=sps_tensors(SPS))
+                sps=sps_tensors(SPS), t_draft=[0.0, 0.01, 0.0125],  # dspark_adaptive's inputs
+                cal=[[[0.97, -1.4], [1.0, 0.0]], [[6.3, -1.05], [0.0, 0.0]]], fixed_ell=[1, -1])
     back = unpack_round(*pack_round(plan))
     for k in plan:
         if k != "sps":
             assert back[k] == plan[k], k
     assert torch.equal(back["sps"], pad_sps(plan["sps"]))
+    plan.pop("cal")  # without dspark_adaptive's inputs (fixed / off rounds): none are sent
+    assert "cal" not in unpack_round(*pack_round(plan))
     z = torch.randn(5, 7)
     block = (torch.tensor([1, 2, 3, 4, 5]), None, torch.rand(5), z)
     slot, (t, _, q, z2) = unpack_block(*pack_block(3, block))
@@ -428,9 +440,12 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
     """Item 4 of issue 13: with a static runner, the step cost (the SPS table the rounds' admission
     reads) is timed on the decode rounds the server runs (both graphs of the bucket, through
     `decode_round`), not on the eager forward. The rounds are replaced by stand-ins that take a
-    known time per bucket (1 seq: 20 ms, 2: 120 ms, 4: 60 ms): the table must show each bucket's
-    time for the B = S x (1 + G) tokens it holds (tolerance: 15 ms of timer and scheduling noise
-    below, 60 ms above, on a loaded 2-core machine)."""
+    known time per bucket (1 seq: 20 ms, 2: 120 ms, 4: 60 ms) for the round that steps aside
+    (graph 1 alone) and 40 ms more with the draft graph: the forward table must show each bucket's
+    stepped-aside time for the B = S x (1 + G) tokens it holds, the draft seconds the 40 ms by R
+    (tolerance: 15 ms of timer and scheduling noise below, 60 ms above, on a loaded 2-core
+    machine; the draft seconds are a difference of two such medians: +-60 ms would say nothing,
+    so 10-100 ms)."""
     import time
 
     sr = StaticRunner(tiny_model, 4, 64, settings=NeuronSettings(backend="none"))
@@ -439,21 +454,23 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
     seen = []
 
     def fake_round(b, mode, fixed_len, x):
-        seen.append(b.seqs)
-        time.sleep(delay[b.seqs])
-        return torch.zeros(b.seqs, sr.G + 5, dtype=torch.long)
+        seen.append((b.seqs, mode))
+        time.sleep(delay[b.seqs] + (0.04 if mode != "off" else 0.0))
+        return torch.zeros(b.seqs, 2 * sr.G + 5, dtype=torch.long)
 
     monkeypatch.setattr(sr.graphs, "round", fake_round)
+    monkeypatch.setattr(sr.ngraphs, "round", fake_round)  # the stepped-aside round: the plain-decode graph
     eng = Engine(sr, Settings(max_num_seqs=4, max_model_len=64, sps_path=str(tmp_path / "sps.json")))
     cost = eng.ensure_cost()
     Q = 1 + eng.gamma
     sizes = list(cost.forward.sizes)
-    assert sizes[-1] == 4 * Q and set(seen) == {1, 2, 4}
+    assert sizes[-1] == 4 * Q and set(seen) == {(S, m) for S in (1, 2, 4) for m in ("off", "dspark")}
     for i, b in enumerate(sizes):
         S = min(s for s in delay if s * Q >= b)
         t = 1.0 / cost.forward.raw_sps[i]
         assert delay[S] - 0.015 < t < delay[S] + 0.06, (b, S, t)
-    assert cost.draft_seconds == {}  # drafting is inside the round
+    assert sorted(cost.draft_seconds) == [1, 2, 3, 4]  # every R up to max_num_seqs (R's bucket)
+    assert all(0.01 < v < 0.1 for v in cost.draft_seconds.values()), cost.draft_seconds
     assert StepCost.load(tmp_path / "sps.json").forward.sizes == cost.forward.sizes
 
 
@@ -496,25 +513,33 @@ def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir
     """Through the rank group (W = 2, static path): penalties, min_tokens and log-probs in the
     rounds' processed variant (the penalty counts loaded on every rank with OP_COUNTS after the
     eager prefill step) give the in-process eager engine's tokens and log-probs exactly, with no
-    decode step left to the eager path."""
+    decode step left to the eager path. With dspark_adaptive (the rounds' calibration, draft-cost
+    and probe inputs broadcast in the round plan; a step cost where the golden checkpoint's random
+    drafts do not pay): the same decisions as the eager engine, stepped-aside rounds included."""
     from v4flash_backend.group.rank_group import RankGroup
 
     sps_path = tmp_path / "sps.json"
-    SPS.save(sps_path)
+    cost = StepCost(SPS, {1: 0.05})
+    cost.save(sps_path)
     params = dict(max_tokens=16, temperature=0.8, seed=3, frequency_penalty=2.0, presence_penalty=1.5,
                   min_tokens=7, logprobs=2, stop_token_ids=[16, 265])
+    adaptive = dict(dspark_adaptive=True, probe_every=3)
     g = RankGroup.launch(Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
-                                  decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0))
+                                  decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0,
+                                  **adaptive))
     try:
         evs = list(g.submit(PROMPT, params))
         st = g.stats()
     finally:
         g.shutdown(timeout=60)
-    eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
-    eng.cost = StepCost(SPS)
+    eng = Engine(LocalRunner(tiny_model, 2, 40), Settings(max_num_seqs=1, max_model_len=40, **adaptive))
+    eng.cost = cost
     want = eng.run_request(GenerateRequest(prompt=list(PROMPT), **(params | {"stop_token_ids": (16, 265)})))
     assert [i for e in evs for i in e["token_ids"]] == [i for e in want for i in e.token_ids]
     assert [lp for e in evs for lp in e.get("logprobs") or []] == [lp for e in want for lp in e.logprobs or []]
     e = st["engine"]
     assert e["static_steps"] == e["decode_steps"] > 0 and e["static_fallback_steps"] == 0
     assert st["plans"]["set_counts"] >= 1
+    kinds = e["decode_steps_by_kind"]
+    assert kinds == eng.stats()["decode_steps_by_kind"] and kinds["aside"] > 0 and kinds["draft"] > 0, kinds
+    assert e["graphs_per_step_by_kind"]["aside"] == 1 and e["host_syncs_per_step"] == 0

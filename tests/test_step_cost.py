@@ -126,3 +126,93 @@ def test_engine_keeps_drafting_where_drafts_are_accepted():
     ev = eng.run_request(GenerateRequest(prompt=[0, 263, 1180, 11, 437, 13], max_tokens=40, ignore_eos=True))
     st = eng.stats()
     assert st["draft_skipped"] == 0 and st["tau"] > 2.0 and len([t for e in ev for t in e.token_ids]) == 40
+
+
+# ---- dspark_adaptive on the static decode rounds (trn2 path) -----------------------------------------
+# deterministic decisions, shared by both modes (at most 16 table entries: the static rounds' SPS input
+# is fixed-width): a flat 40 ms forward with drafting at 10-20 ms, where drafting pays only for drafts
+# that are accepted; and a forward that slows down with B, where admission weighs each draft's survival
+FLAT = StepCost(SPSTable([1, 2, 4, 8, 16, 32], [25.0] * 6), {1: 0.010, 8: 0.020})
+STEEP = StepCost(SPSTable([1, 2, 4, 8, 16, 32], [25.0, 24.5, 23.0, 19.0, 12.0, 6.0]), {1: 0.004, 8: 0.008})
+
+
+def _serve_batch(runner, reqs, cost, **kw):
+    """Requests of different lengths and temperatures decoded together (submitted together, so
+    every decode step is a round on a static runner); returns (tokens per request, stats, engine)."""
+    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=96, spec_mode="dspark", dspark_adaptive=True, **kw))
+    eng.cost = cost
+    outs = {}
+    for i, (prompt, k, t, seed, *more) in enumerate(reqs):
+        eng.submit(GenerateRequest(prompt=prompt, max_tokens=k, temperature=t, seed=seed, ignore_eos=True,
+                                   **(more[0] if more else {}),
+                                   callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids)))
+    rings = []  # after each step, the DSpark rings of the requests still running
+    while eng.has_work():
+        eng.step()
+        rings.append({(s.slot, k): r[s.slot].clone() for s in eng.running for k, r in runner.state.dspark.items()})
+    eng.rings = rings
+    return outs, eng.stats(), eng
+
+
+def _check_static_equals_eager(model, reqs, cost, **kw):
+    """dspark_adaptive through the static rounds (op by op) against eager steps: the same tokens,
+    the same decisions (drafted / stepped aside / probed), the same admitted and accepted drafts and
+    the same blocks observed by the online calibration (their confidence logits bit for bit), the
+    same DSpark ring contents after every step (a stepped-aside round writes no ring rows); 1 graph per stepped-aside
+    round, 2 per drafting one, no host sync. Exact numerics: equality, no tolerance."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    want, est, eeng = _serve_batch(LocalRunner(model, 4, 96), reqs, cost, **kw)
+    sr = StaticRunner(model, 3, 96, settings=NeuronSettings(backend="none"))
+    got, st, seng = _serve_batch(sr, reqs, cost, **kw)
+    assert got == want and all(len(got[i]) == r[1] for i, r in enumerate(reqs))
+    assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] > 0
+    for k in ("drafted", "admitted", "accepted", "draft_skipped", "draft_probes", "ring_rows_skipped",
+              "decode_steps_by_kind"):
+        assert st[k] == est[k], k
+    for reg in ("greedy", "sampled"):
+        for a, b in zip(seng.calib.observations(reg), eeng.calib.observations(reg)):
+            assert torch.equal(a, b), reg
+    assert st["calibration"] == est["calibration"]
+    assert len(seng.rings) == len(eeng.rings)
+    for a, b in zip(seng.rings, eeng.rings):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    by_kind = st["graphs_per_step_by_kind"]
+    assert st["host_syncs_per_step"] == 0
+    assert all(by_kind[k] == n for k, n in (("draft", 2), ("probe", 2), ("aside", 1))
+               if st["decode_steps_by_kind"][k])
+    return st
+
+
+def test_static_rounds_step_aside_like_eager_steps(tiny_model):
+    """The golden checkpoint's random drafts are almost never accepted: after the first blocks both
+    modes step aside (the static round: graph 1 alone) and probe every 4 steps, alike."""
+    st = _check_static_equals_eager(tiny_model, [([0, 5, 6, 7, 8], 26, 0.0, None),
+                                                 ([0, 17, 230, 5, 99, 41], 18, 0.8, 7)], FLAT, probe_every=4)
+    kinds = st["decode_steps_by_kind"]
+    assert kinds["aside"] >= 8 and kinds["probe"] >= 2 and kinds["draft"] >= 1, kinds
+    # a stepped-aside round with nothing left to verify runs the 1-row plain-decode graph
+    assert st["plain_decode_rounds"] > 0
+
+
+def test_static_rounds_keep_drafting_like_eager_steps():
+    """models/v4flash-tiny's drafts are accepted and it ships a calibration (temperatures and shifts
+    far from identity): both modes keep drafting, admitting by the calibrated survivals (a forward
+    that slows down with B: admission stops where a draft's survival does not pay for its row). The
+    third request samples with min_tokens over its whole output and stop ids the model emits often
+    (16, 265, 289: the target and the drafts put mass on them), so the drafting's min_tokens mask
+    changes q: a draft graph without it commits other tokens than the eager engine."""
+    from pathlib import Path
+
+    from v4flash_backend import ops
+    from v4flash_backend.model.loading import load_model
+
+    ops.set_numerics("exact")
+    ckpt = Path(__file__).resolve().parents[1] / "models" / "v4flash-tiny"
+    st = _check_static_equals_eager(load_model(ckpt), [([0, 263, 1180, 11, 437, 13], 24, 0.0, None),
+                                                       ([0, 263, 1180, 11], 16, 0.8, 3),
+                                                       ([0, 263, 1180, 11, 437], 16, 0.8, 5,
+                                                        dict(min_tokens=16, stop_token_ids=(16, 265, 289)))], STEEP,
+                                    checkpoint_dir=str(ckpt))
+    assert st["draft_skipped"] == 0 and st["decode_steps_by_kind"]["draft"] == st["decode_steps"]
+    assert 0 < st["admitted"] < st["drafted"] and st["tau"] > 1.5  # admission chose, not all-or-nothing

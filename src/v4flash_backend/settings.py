@@ -117,9 +117,9 @@ class Settings:
         scope="engine", path=True)
     dspark_adaptive: bool = setting(
         False, "admit with the calibrated confidence head and the whole step's cost, and skip the draft "
-        "stages where drafting does not pay (probing every probe_every steps); eager decode steps only, "
-        "off by default until the static graphs carry it (eager and static serving stay token-identical)",
-        scope="engine")
+        "stages where drafting does not pay (probing every probe_every steps); on eager steps and in the "
+        "static rounds alike (same tokens for the same seed); a static server then also compiles the "
+        "plain-decode graphs at start", scope="engine")
     probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
                                scope="engine", low=1)
     calibration_online: bool = setting(

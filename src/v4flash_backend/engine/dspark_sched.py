@@ -225,12 +225,15 @@ def sps_tensors(sps: "SPSTable") -> torch.Tensor:
     return torch.stack([sps._sizes_t.double(), sps._sps_t])
 
 
-def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor) -> torch.Tensor:
+def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
+                 t_draft: torch.Tensor | None = None) -> torch.Tensor:
     """`admit` (early stop, extra_tokens 0) over a bucket with no host reads: c [S, gamma]
     confidences, live [S] bool (the rows admit sees; the others get 0 and do not count in R),
     sps_t = sps_tensors(table). Row by row equal to admit(c[live], table): the rows that are not
     live have survival 0, sort behind every live entry and are never admitted, and the j-major
-    tie order among live entries is the same."""
+    tie order among live entries is the same. t_draft [>= S + 1] f64 (dspark_adaptive): the draft
+    seconds by R; with t_draft[R] > 0 the table is `StepCost.sps_for(R)`'s, 1 / (1 / SPS(B) +
+    t_draft[R]), the same float64 operations (R, the live rows, is only known inside the graph)."""
     c64 = c.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
     c64 = torch.where(live[:, None], c64, torch.zeros_like(c64))
     S, G = c64.shape
@@ -246,6 +249,9 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor) -> to
     idx = (torch.searchsorted(sizes, B, right=True) - 1).clamp(min=0)
     bmax = sizes[-1]
     sps_b = torch.where(B > bmax, vals[-1] * bmax.double() / B.double(), vals[idx])
+    if t_draft is not None:
+        td = t_draft.gather(0, R.reshape(1)).reshape(())  # a gather, not t_draft[R]: no host read of R
+        sps_b = torch.where(td > 0, 1.0 / (1.0 / sps_b + td), sps_b)
     tau = R.double() + torch.cumsum(a_sorted, dim=-1)
     val = tau * sps_b[1:]
     base = (R.double() * sps_b[0]).reshape(1)

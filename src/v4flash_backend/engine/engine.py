@@ -45,6 +45,16 @@ from .step_cost import StepCost, affine_checked, drafting_pays, expected_surviva
 ON_DEVICE = "device"
 STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the eager path)
 
+
+def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
+    """The new block's [G] f32 confidence logits in a static round's read-back row (columns
+    2G+5.., float64 bits: trn2.static_round.pack)."""
+    return torch.tensor(row[G + 5:2 * G + 5], dtype=torch.int64).view(torch.float64).float()
+
+
+STEP_KINDS = ("draft", "probe", "aside")  # decode steps by DSpark decision (stats)
+KIND_OF = {"draft": "draft", "probe": "probe", "skip": "aside"}
+
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
 
 
@@ -123,10 +133,13 @@ class Engine:
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
         self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
                       if self.spec else None)
-        # calibrated confidences, draft-cost-aware admission and stepping aside: eager steps only (the
-        # static rounds admit in the graph with the raw head), so a static runner keeps them off and
-        # eager and static serving stay token-identical
-        self.adaptive = self.cfg.dspark_adaptive and not getattr(runner, "static_rounds", False)
+        # calibrated confidences, draft-cost-aware admission and stepping aside, on eager steps and in
+        # the static rounds alike (the calibration and the step table are round inputs, a stepped-aside
+        # round is graph 1 alone): the same request and seed give the same tokens in both modes
+        self.adaptive = self.cfg.dspark_adaptive
+        # a step's verified blocks enter the online calibration after the step's drafting, in both
+        # modes: the static draft graph reads the calibration as an input taken before the round
+        self._observed: list[tuple] = []
         self.free = list(range(self.cfg.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[_Seq] = []
@@ -154,6 +167,10 @@ class Engine:
         self.decode_totals = dict(decode_steps=0, static_steps=0, graph_executions=0, host_syncs=0,
                                   host_to_device_bytes=0, static_fallback_steps=0, prefill_steps=0,
                                   prefill_step_graph_executions=0, prefill_step_eager_forwards=0)
+        # decode steps by DSpark decision (draft | probe | aside: stepped aside) with their graph
+        # executions (a static round that steps aside runs graph 1 alone)
+        self.kind_totals = {k: [0, 0] for k in STEP_KINDS}
+        self._kind = "draft"  # the decision of the step in progress
         self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
 
     @property
@@ -240,11 +257,14 @@ class Engine:
                  prefill_graphs=getattr(self.runner, "counters", {}).get("prefill_graphs", 0),
                  boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
                  boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
+                 plain_decode_rounds=getattr(self.runner, "counters", {}).get("plain_decode_rounds", 0),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),
                  host_syncs_per_step=dt["host_syncs"] / n if n else 0.0,
                  host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)
+        d["decode_steps_by_kind"] = {k: v[0] for k, v in self.kind_totals.items()}
+        d["graphs_per_step_by_kind"] = {k: v[1] / v[0] if v[0] else 0.0 for k, v in self.kind_totals.items()}
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
         if self.calib is not None:
             d.update(self.calib.stats())
@@ -320,25 +340,35 @@ class Engine:
 
     def _static_cost(self, sizes: list[int], scratch: int) -> StepCost:
         """The step cost of a static runner, timed on the graphs it serves: each sequence bucket's
-        decode round (verify + acceptance, then DSpark drafting + confidence + admission: both
-        graphs, through the runner's `decode_round`, so every rank of a group runs it) on a plan of
-        padding sequences (scratch slot, no valid row; same shapes and work as a real round),
-        interleaved rounds, medians. Drafting is inside the round, so the draft cost is 0."""
+        decode round (through the runner's `decode_round`, so every rank of a group runs it) on a
+        plan of padding sequences (scratch slot, no valid row; same shapes and work as a real
+        round), interleaved rounds, medians -- twice: the round that steps aside (graph 1 alone:
+        verify + acceptance) gives t_forward, the full round (+ graph 2: rings, draft stages,
+        Markov drafting, confidence, admission) minus it gives the draft seconds of R requests
+        (R's bucket), so `drafting_pays` compares a stepped-aside round with a drafting one."""
         from .step_cost import round_seconds_by_tokens
 
         Q = 1 + self.gamma
-        seqs = sorted({-(-b // Q) for b in sizes})  # a round of S pads itself to its bucket
+        N = self.cfg.max_num_seqs
+        timed = sorted({min(1 << (S - 1).bit_length(), N) for S in range(1, N + 1)})  # the sequence buckets
+        seqs = sorted({-(-b // Q) for b in sizes} | set(range(1, N + 1)))  # a round of S pads to its bucket
 
-        def round_(S: int):
+        def round_(S: int, mode: str):
             self.runner.decode_round(dict(
                 slot=[scratch] * S, start=[0] * S, pending=[0] * S, ell=[-1] * S, temperature=[1.0] * S,
                 top_k=[0] * S, top_p=[1.0] * S, seed=list(range(S)), rnd=[0] * S, budget=[0] * S,
-                len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=self.cfg.spec_mode, fixed_len=0,
+                len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=mode, fixed_len=0,
                 sps=None))
 
-        fwd_s = round_seconds_by_tokens(sizes, Q, interleaved_medians(round_, seqs, rounds=3))
+        both = [(S, m) for S in timed for m in ("off", self.cfg.spec_mode)]  # interleaved: aside and full
+        med = interleaved_medians(lambda i: round_(*both[i]), range(len(both)), rounds=3)
+        bucket = {S: min(t for t in timed if t >= S) for S in seqs}
+        alone = {S: med[both.index((bucket[S], "off"))] for S in seqs}
+        full = {S: med[both.index((bucket[S], self.cfg.spec_mode))] for S in seqs}
+        fwd_s = round_seconds_by_tokens(sizes, Q, alone)
+        draft_s = {S: max(full[S] - alone[S], 0.0) for S in range(1, N + 1)}
         self.runner.reset_slot(scratch)
-        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), {}, [])
+        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, [])
         if self.cfg.sps_path:
             self.cost.save(self.cfg.sps_path)
         return self.cost
@@ -378,6 +408,7 @@ class Engine:
             self.ensure_cost()  # before the step's forward: profiling runs forwards of its own
         try:
             self._step_running()
+            self._flush_observations()
         except Exception as e:  # a failed forward fails the requests in flight, not the server
             for s in list(self.running):
                 self._finish(s, error=f"engine step failed: {type(e).__name__}: {e}", code="UNAVAILABLE")
@@ -470,14 +501,25 @@ class Engine:
         if c is not None and before is not None:
             for k in ("graph_executions", "host_syncs", "host_to_device_bytes"):
                 t[k] += c.get(k, 0) - before.get(k, 0)
+        if self.spec:
+            kt = self.kind_totals[self._kind]
+            kt[0] += 1
+            if c is not None and before is not None:
+                kt[1] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
 
     def _step_static(self) -> None:
         """One decode round in the runner's static graphs: verify + acceptance + sampling, then
         the DSpark rings, the draft block, Markov drafting, confidence and admission, all inside
-        the graphs; the committed tokens (with their counts and the next admitted lengths) are
-        the one read-back."""
+        the graphs; the committed tokens (with their counts, the next admitted lengths and the new
+        block's confidence logits) are the one read-back. dspark_adaptive: the same decision as an
+        eager step, taken on the host before the round from host state only (`_drafting_decision`):
+        draft (calibrated admission with the whole step's cost), probe (one draft each) or skip (the
+        round steps aside: graph 1 alone, no ring writes, no draft stages)."""
         before = dict(self.runner.counters)
         seqs = list(self.running)
+        decision = self._drafting_decision(seqs) if self.spec else "draft"
+        self._kind = KIND_OF[decision]
+        dspark = self.spec and self.cfg.spec_mode == "dspark"
         for s in seqs:  # a block drafted on the host (eager step) moves into the runner's state
             if s.draft is not None and s.draft != ON_DEVICE:
                 if s.ell:
@@ -500,8 +542,10 @@ class Engine:
             rnd=[s.rounds for s in seqs], budget=[s.req.max_tokens - s.n_out for s in seqs],
             len_left=[L - s.n_cached - 1 for s in seqs],
             stop_ids=[x + [-1] * (STOP_WIDTH - len(x)) for x in stops],
-            spec_mode=self.cfg.spec_mode if self.spec else "off", fixed_len=self.cfg.fixed_len,
-            sps=sps_tensors(self.ensure_cost().forward) if self.cfg.spec_mode == "dspark" and self.spec else None)
+            spec_mode=self.cfg.spec_mode if self.spec and decision != "skip" else "off",
+            fixed_len=self.cfg.fixed_len, sps=sps_tensors(self.ensure_cost().forward) if dspark else None)
+        if dspark:
+            plan.update(self._adaptive_plan(seqs, decision))
         if processed:
             plan.update(n_out=[s.n_out for s in seqs], min_tokens=[s.req.min_tokens for s in seqs],
                         frequency=[float(s.req.frequency_penalty) for s in seqs],
@@ -510,31 +554,63 @@ class Engine:
         out = self.runner.decode_round(plan)
         self.totals["steps"] += 1
         n = len(out[0])
-        # the runner's block size (also with spec_mode off: then ell stays 0)
-        G = (n - 5 - LOGPROB_COLS) // (1 + LOGPROB_COLS) if processed else n - 5
+        # the runner's block size (also with spec_mode off: then ell stays 0): [G+1 tokens, committed,
+        # accepted, stopped, next ell, G confidence logits (+ the log-probs pack)]
+        G = (n - 5 - LOGPROB_COLS) // (2 + LOGPROB_COLS) if processed else (n - 5) // 2
+        drafted = []
         for i, s in enumerate(seqs):
             row = out[i]
             k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
             self._account_verify(s, n_acc)
             s.rounds += 1
             s.n_cached += k
-            lps = unpack_logprobs(row[G + 5:], k, s.req.logprobs) if processed and s.req.logprobs >= 0 else None
+            if decision == "skip":  # stepped aside: the rings miss these positions (as on an eager step)
+                self.totals["ring_rows_skipped"] += k
+            lps = unpack_logprobs(row[2 * G + 5:], k, s.req.logprobs) if processed and s.req.logprobs >= 0 else None
             if processed and in_sync[i]:
                 s.counted += k  # the round added its committed tokens to the device counts
             self._commit(s, row[:k], stopped, lps)
-            if not self._done(s) and self.spec:
-                s.ell, s.draft = nxt, ON_DEVICE
-                s.drafted += self.gamma
-                self.totals["drafted"] += self.gamma
+            if self._done(s) or not self.spec:
+                continue
+            if decision == "skip":
+                s.draft, s.conf_logits, s.ell = None, None, 0
+                self.totals["draft_skipped"] += 1
+                continue
+            s.ell, s.draft = nxt, ON_DEVICE
+            s.conf_logits = unpack_confidence(row, G)
+            drafted.append(s)
+            s.drafted += self.gamma
+            self.totals["drafted"] += self.gamma
+        if drafted and decision == "probe":
+            self.totals["draft_probes"] += 1
+        if drafted and self.adaptive and dspark:  # as _draft: the next decision reads these survivals
+            c = self.calib.cal.confidence(torch.stack([s.conf_logits for s in drafted]),
+                                          [regime(s.req.temperature) for s in drafted])
+            for s, a in zip(drafted, torch.cumprod(c.double(), 1).tolist()):
+                s.last_surv = a
         for s in [s for s in self.running if self._done(s)]:
             self._release(s)
         self.running = [s for s in self.running if not self._done(s)]
         self.decode_totals["static_steps"] += 1
         self._count_step(before)
 
+    def _adaptive_plan(self, seqs: list[_Seq], decision: str) -> dict:
+        """The draft graph's admission inputs (static_round.draft_round): with dspark_adaptive, each
+        row's calibration (T_k, b_k) of its regime and the draft seconds by live rows R (admission
+        then reads `StepCost.sps_for(R)`, as `_draft`); without, the raw head (T = 0) and the
+        forward's table. A probe admits one draft per row."""
+        G, S = self.gamma, len(seqs)
+        if self.adaptive:
+            cost = self.ensure_cost()
+            cal = [self.calib.cal.of(regime(s.req.temperature)) for s in seqs]
+            t_draft = [cost.t_draft(r) for r in range(S + 1)]
+        else:
+            cal, t_draft = [[(0.0, 0.0)] * G] * S, [0.0] * (S + 1)
+        return dict(cal=cal, t_draft=t_draft, fixed_ell=[1 if decision == "probe" else -1] * S)
+
     def _account_verify(self, s: _Seq, n_acc: int) -> None:
         if s.ell and s.conf_logits is not None:  # the block's confidences, for online calibration
-            self.calib.observe(regime(s.req.temperature), s.conf_logits, s.ell, n_acc)
+            self._observed.append((regime(s.req.temperature), s.conf_logits, s.ell, n_acc))
         s.accepted += n_acc
         s.admitted += s.ell
         s.verify_steps += 1
@@ -544,6 +620,12 @@ class Engine:
         self.totals["admitted"] += s.ell
         self.totals["accepted"] += n_acc
         self.totals["verify_rows"] += 1
+
+    def _flush_observations(self) -> None:
+        """The step's verified blocks into the online calibration (after its drafting: see __init__)."""
+        obs, self._observed = self._observed, []
+        for o in obs:
+            self.calib.observe(*o)
 
     def _step_eager(self) -> None:
         tokens, spec, rows = [], [], []
@@ -577,6 +659,7 @@ class Engine:
         drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
                                                                      if s.n_cached + n == len(s.req.prompt)]
         decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
+        self._kind = KIND_OF[decision]
         want_taps = self.spec and (decision != "skip" or bool(prefill))
         out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
                                   want_taps)

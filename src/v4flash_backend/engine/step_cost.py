@@ -99,6 +99,8 @@ class StepCost:
     def sps_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """SPS(B) of a step that drafts for R requests, for `admit`."""
         td = self.t_draft(R)
+        if td == 0:  # the forward's table itself (what the static rounds' admission reads then)
+            return self.forward.lookup
         return lambda B: 1.0 / (1.0 / self.forward.lookup(B) + td)
 
     # ---- persistence ---------------------------------------------------------------------------

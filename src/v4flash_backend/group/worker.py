@@ -147,7 +147,28 @@ def pack_round(plan: dict):
     stops = _long(plan["stop_ids"])
     sps = pad_sps(plan.get("sps")).reshape(-1).view(torch.int64)
     mode = _MODES.index(plan["spec_mode"]) + (4 if proc else 0)
-    return (S, W, mode, int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps])
+    return (S, W, mode, int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps, _pack_adaptive(plan, S)])
+
+
+def _pack_adaptive(plan: dict, S: int) -> torch.Tensor:
+    """The round's dspark_adaptive inputs (trn2.neuron.adaptive_inputs), when the plan has them:
+    t_draft [S+1] (float64 bits), fixed_ell [S], cal [S, G, 2] (float64 bits); else nothing."""
+    if plan.get("cal") is None:
+        return _long([])
+    td = torch.tensor(plan["t_draft"], dtype=torch.float64).reshape(-1)
+    if td.numel() != S + 1:
+        raise ValueError(f"a round plan of {S} sequences needs {S + 1} draft seconds, got {td.numel()}")
+    cal = torch.tensor(plan["cal"], dtype=torch.float64).reshape(-1)
+    return torch.cat([td.view(torch.int64), _long(plan["fixed_ell"]), cal.view(torch.int64)])
+
+
+def _unpack_adaptive(rest: torch.Tensor, S: int, plan: dict) -> None:
+    if not rest.numel():
+        return
+    G = (rest.numel() - 2 * S - 1) // (2 * S)
+    plan["t_draft"] = rest[:S + 1].clone().view(torch.float64).tolist()
+    plan["fixed_ell"] = rest[S + 1:2 * S + 1].tolist()
+    plan["cal"] = rest[2 * S + 1:].clone().view(torch.float64).view(S, G, 2).tolist()
 
 
 def unpack_round(a, body: torch.Tensor) -> dict:
@@ -161,7 +182,11 @@ def unpack_round(a, body: torch.Tensor) -> dict:
     plan = dict(zip(names_i, ints))
     plan.update(zip(names_f, floats))
     plan["stop_ids"] = body[ni + nf:ni + nf + S * W].view(S, W).tolist()
-    plan["sps"] = body[ni + nf + S * W:].clone().view(torch.float64).view(2, -1)
+    from v4flash_backend.trn2.neuron import SPS_WIDTH
+
+    o = ni + nf + S * W
+    plan["sps"] = body[o:o + 2 * SPS_WIDTH].clone().view(torch.float64).view(2, -1)
+    _unpack_adaptive(body[o + 2 * SPS_WIDTH:], S, plan)
     plan["spec_mode"], plan["fixed_len"] = _MODES[mode], fixed
     return plan
 
@@ -783,6 +808,9 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
 
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
                           stop_width=STOP_WIDTH, processed=settings.warm_processed)
+    if settings.dspark_adaptive or mode == "off":  # rounds that neither verify nor draft: 1 row per sequence
+        runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
+                               processed=settings.warm_processed)
     runner.warm_up_prefill(progress if rank == 0 else None)
     _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
                f"{time.monotonic() - t0:.1f} s")

@@ -273,23 +273,23 @@ class StaticGraphs:
             comm.coll.count_traced(counts)
 
     def round(self, b: Bucket, mode: str, fixed_len: int, x: dict) -> torch.Tensor:
-        """One decode round: graph 1, then (with DSpark) graph 2; returns the [S, G+5] read-back."""
-        from .static_round import pack
-
+        """One decode round: graph 1, then (with DSpark) graph 2; returns the [S, 2G+5] read-back.
+        mode off (no DSpark, or a round that steps aside): graph 1 alone, whose own read-back has
+        next ell 0 -- no ring writes, no draft stages."""
         processed = "n_out" in x  # the processed variant (static_round: min_tokens, penalties, log-probs)
         proc = [x[k] for k in PROC_INPUTS] if processed else []
         g1 = self.round_verify_graph(b, processed)
-        tokens_out, committed, accepted, stopped, taps, *lp = g1(
+        tokens_out, committed, accepted, stopped, taps, *lp, alone = g1(
             x["slot"], x["start"], x["n"], x["pending"], x["temperature"], x["top_k"], x["top_p"], x["seed"],
             x["rnd"], x["budget"], x["stop_ids"], *proc)
         self._ran(g1)
         if mode == "off":
-            out = pack(tokens_out, committed, accepted, stopped, torch.zeros_like(committed))
-            return torch.cat([out, lp[0]], 1) if lp else out
+            return alone
         g2 = self.round_draft_graph(b, mode, fixed_len, processed)
         extra = proc + [x["stop_ids"]] + lp if processed else []
         out = g2(taps, committed, tokens_out, accepted, stopped, x["slot"], x["start"], x["n"], x["temperature"],
-                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"], *extra)
+                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"],
+                 x["t_draft"], x["cal"], x["fixed_ell"], *extra)
         self._ran(g2)
         return out
 
@@ -324,7 +324,7 @@ class StaticGraphs:
                     pending=z.clone(), temperature=torch.zeros(S, dtype=torch.float64), top_k=z.clone(),
                     top_p=torch.ones(S, dtype=torch.float64), seed=z.clone(), rnd=z.clone(), budget=z.clone(),
                     len_left=z.clone(), stop_ids=torch.full((S, stop_width), -1, dtype=torch.long),
-                    sps_t=pad_sps(None))
+                    sps_t=pad_sps(None), **adaptive_inputs(S, self.decoder.max_rows - 1))
 
     def warm_up(self, progress=sys.stderr, mode: str | None = None, fixed_len: int = 0,
                 stop_width: int = 8, processed: bool = True) -> float:
@@ -365,6 +365,23 @@ def _proc(n_out, min_tokens, frequency, presence, stop_ids) -> dict:
 
 
 SPS_WIDTH = 16  # SPS table entries a round takes (padded with its last entry: same lookups)
+
+
+def adaptive_inputs(S: int, G: int, plan: dict | None = None) -> dict:
+    """The draft graph's dspark_adaptive inputs for a bucket of S rows (static_round.draft_round):
+    t_draft [S+1] f64 (draft seconds by live rows; zeros: the forward's table alone), cal [S, G, 2]
+    f64 ((T_k, b_k) per row; T = 0: the raw head), fixed_ell [S] (-1: admission; a probe: 1). From
+    a round plan's `t_draft` / `cal` / `fixed_ell` (padding rows: the last value, the raw head, -1)."""
+    plan = plan or {}
+    td = list(plan.get("t_draft") or [0.0])
+    td = td[:S + 1] + [td[-1]] * (S + 1 - len(td))
+    cal = torch.zeros(S, G, 2, dtype=torch.float64)
+    if plan.get("cal") is not None and len(plan["cal"]):
+        c = torch.as_tensor(plan["cal"], dtype=torch.float64).reshape(-1, G, 2)
+        cal[:c.shape[0]] = c
+    fe = list(plan.get("fixed_ell") or [])
+    return dict(t_draft=torch.tensor(td, dtype=torch.float64), cal=cal,
+                fixed_ell=torch.tensor(fe + [-1] * (S - len(fe)), dtype=torch.long))
 
 
 def pad_sps(sps_t: torch.Tensor | None) -> torch.Tensor:
@@ -409,7 +426,26 @@ class StaticRunner(LocalRunner):
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
             self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
-        self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0)
+        # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
+        # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
+        # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
+        self.ngraphs = None
+        if self.G:
+            self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
+            self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
+                                        stats=self.graphs.stats, blocks=self.blocks)
+        self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
+
+    def warm_up_nodraft(self, progress=None, stop_width: int = 8, processed: bool = True) -> None:
+        """Compile every bucket's plain-decode round graph (and its logit-processing variant) on a
+        padding plan: the servers that step aside (dspark_adaptive) or do not draft (spec_mode off)."""
+        if self.ngraphs is None or self.graphs.settings.backend == "none":
+            return
+        bar = _Progress(len(self.ngraphs.buckets), progress)
+        for i, b in enumerate(self.ngraphs.buckets):
+            for proc in (False, True)[:1 + processed]:
+                self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
+            bar.show(i + 1, f"plain decode {b}")
 
     def warm_up_prefill(self, progress=None) -> None:
         """Compile every prefill bucket on a padding chunk (it writes nothing), and every decode
@@ -557,7 +593,7 @@ class StaticRunner(LocalRunner):
                  rnd=col("rnd", 0), budget=col("budget", 0), len_left=col("len_left", 0),
                  stop_ids=torch.tensor([list(r) for r in plan["stop_ids"]] + [[-1] * len(plan["stop_ids"][0])] * pad,
                                        dtype=torch.long),
-                 sps_t=pad_sps(plan.get("sps")))
+                 sps_t=pad_sps(plan.get("sps")), **adaptive_inputs(b.seqs, self.G, plan))
         if "n_out" in plan:  # the processed variant: min_tokens, penalties, log-probs in the graphs
             x.update(n_out=col("n_out", 0), min_tokens=col("min_tokens", 0),
                      frequency=col("frequency", 0.0, torch.float64), presence=col("presence", 0.0, torch.float64))
@@ -573,16 +609,24 @@ class StaticRunner(LocalRunner):
     def decode_round(self, plan: dict) -> list[list[int]]:
         b, x = self.round_inputs(plan)
         mode = plan["spec_mode"] if self.G else "off"
-        h2d = sum(t.numel() * t.element_size() for t in x.values())
+        # bytes in: the round's inputs (a round without the draft graph does not take its admission inputs)
+        h2d = sum(t.numel() * t.element_size() for k, t in x.items()
+                  if mode != "off" or k not in ("t_draft", "cal", "fixed_ell"))
         counting = self.graphs.settings.backend == "none"  # op by op: watch for syncs (compiled: refused at compile)
         ctx = HostSyncCounter() if counting else _Null()
         spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
-        before = self.graphs.executions
+        graphs, before = self.graphs, self.graphs.executions
+        if mode == "off" and self.ngraphs is not None and all(e <= 0 for e in plan["ell"]):
+            # nothing to verify, nothing to draft: the bucket's plain-decode graph (1 row per sequence;
+            # its read-back has G = 0 columns of drafts and confidences, which the host reads alike)
+            graphs, before = self.ngraphs, self.ngraphs.executions
+            b = Bucket(b.seqs, 1, b.ctx)
+            self.counters["plain_decode_rounds"] += 1
         with spy:
             with ctx:  # host syncs inside the round (the read-back below is not one)
-                out = self.graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
+                out = graphs.round(b, mode, int(plan.get("fixed_len", 0)), x)
             rows = out[:len(plan["slot"])].tolist()  # the round's one read-back (committed tokens + counts)
-        self._count(ctx.total, h2d, self.graphs.executions - before)
+        self._count(ctx.total, h2d, graphs.executions - before)
         if isinstance(spy, BoundarySpy):
             c = self.counters
             c["boundary_resident_moves"] = c.get("boundary_resident_moves", 0) + spy.resident_moves

@@ -9,7 +9,16 @@ Graph 2 (`draft_round`): the DSpark ring writes of the committed rows, the draft
 bonus token, Markov drafting with the drafting noise, the confidence head, admission (`admit_static`
 with the SPS table as an input, or the fixed length) clipped to each request's room; the new block
 goes into the per-slot state, and the round's one output is a small int64 tensor
-[S, G+1 tokens | committed | accepted | stopped | next ell] -- the only thing the host reads.
+[S, G+1 tokens | committed | accepted | stopped | next ell | G confidence logits] -- the only thing
+the host reads.
+
+dspark_adaptive (`Engine._step_static`): the draft graph applies the calibration (per row and
+position, (T_k, b_k) as an input: `calibrated_confidence`, `Calibration.confidence`'s operations) and
+admits with the whole step's cost (`admit_static`'s t_draft input: `StepCost.sps_for(R)`); a probe
+admits a fixed length per row (`fixed_ell` input, -1: admission). The confidence logits of the new
+block come back in the read-back (float64 bits: exact), for the host's online calibration and the
+next stepping-aside decision. A round that steps aside runs graph 1 alone (`verify_round` also
+returns that round's read-back, ell 0): no ring writes, no draft stages, no taps read.
 
 The functions are the host functions' static forms (`dspark_accept.verify_static`,
 `markov_draft_static`, `sampling.process_logits_static`, `dspark_sched.admit_static`), so eager
@@ -58,10 +67,11 @@ def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, 
                  top_p, seed, rnd, budget, stop_ids, proc: dict | None = None):
     """Graph 1. n [S]: 1 + ell for a sequence, 0 for a padding one. Returns (committed tokens
     [S, G+1] (-1 padded), committed count [S], accepted [S], stopped [S], taps), and with `proc`
-    (the processed variant: `process_verify_rows`) also the log-probs pack of the committed tokens."""
-    G = dec.max_rows - 1
+    (the processed variant: `process_verify_rows`) also the log-probs pack of the committed tokens;
+    last, the read-back of a round that stops here (no draft graph: next ell 0, no confidences)."""
+    G = dec.max_rows - 1  # 0 for the plain-decode graph (1 row per sequence; the blocks hold more)
     S = slot.shape[0]
-    drafts = blk.tokens[slot]
+    drafts = blk.tokens[slot][:, :G]
     tokens = torch.cat([pending[:, None], drafts], dim=1)
     logits, taps = dec.verify(tokens, slot, start, n, ctx)
     V = logits.shape[-1]
@@ -70,21 +80,25 @@ def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, 
     ell = (n - 1).clamp_min(0)
     u_acc = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G) if G else torch.zeros(S, 0, dtype=torch.float64)
     u_fin = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 1, None)
-    res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot], blk.z[slot], ell, temperature, top_k, top_p,
-                        u_acc, u_fin, stop_ids, budget)
+    res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot][:, :G], blk.z[slot][:, :G], ell, temperature,
+                        top_k, top_p, u_acc, u_fin, stop_ids, budget)
+    zero_c = torch.zeros(S, G, dtype=torch.float32)
+    alone = pack(res.tokens, res.num_tokens, res.accepted, res.stopped, torch.zeros_like(res.num_tokens), zero_c)
     if proc is None:
-        return res.tokens, res.num_tokens, res.accepted, res.stopped, taps
+        return res.tokens, res.num_tokens, res.accepted, res.stopped, taps, alone
     lp = logprobs_pack(logits.view(S * (G + 1), V), res.tokens, temperature, top_k, top_p)
     add_counts(blk, slot, res.tokens, n > 0)
-    return res.tokens, res.num_tokens, res.accepted, res.stopped, taps, lp
+    return res.tokens, res.num_tokens, res.accepted, res.stopped, taps, lp, torch.cat([alone, lp], 1)
 
 
 def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, taps, committed, tokens_out,
                 accepted, stopped, slot, start, n, temperature, top_k, top_p, seed, rnd, budget, len_left, sps_t,
-                proc: dict | None = None, extra=None):
-    """Graph 2 (mode: dspark | fixed). Returns the round's read-back [S, G+5] int64 (with `extra`,
+                t_draft, cal, fixed_ell, proc: dict | None = None, extra=None):
+    """Graph 2 (mode: dspark | fixed). Returns the round's read-back [S, 2G+5] int64 (with `extra`,
     graph 1's log-probs pack, appended: still one read-back). `proc`: the processed variant's
-    drafting processors (`draft_logit_fn`)."""
+    drafting processors (`draft_logit_fn`). t_draft [S+1] f64: the draft seconds by live rows R
+    (0: the forward's table alone); cal [S, G, 2] f64: (T_k, b_k) per row and position (T = 0: the
+    raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 runs admission."""
     G = dec.max_rows - 1
     S = slot.shape[0]
     d = dec.drafter
@@ -96,9 +110,11 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     block = markov_draft_static(U, anchor, lambda prev: d.markov(prev)[0], temperature, top_k, top_p, u_draft,
                                 logit_fn=fn)
     live = (n > 0) & ~stopped & (k < budget) & (k < len_left)
+    # the head on each draft's predecessor (block.prev), as Engine._confidence_logits
+    conf = d.confidence(hidden, d.markov(block.prev)[1])
     if mode == "dspark":
-        c = torch.sigmoid(d.confidence(hidden, d.markov(block.prev)[1]))
-        ell = admit_static(c, live, sps_t)
+        ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, t_draft)
+        ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), ell)
     else:
         ell = torch.full((S,), min(fixed_len, G), dtype=torch.long)
     room = torch.minimum(budget - k - 1, len_left - k - 1).clamp(0, G)
@@ -106,14 +122,25 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     blk.tokens[slot] = block.tokens
     blk.q[slot] = block.q_token.float()
     blk.z[slot] = block.z.float()
-    out = pack(tokens_out, committed, accepted, stopped, ell)
+    out = pack(tokens_out, committed, accepted, stopped, ell, conf)
     return out if extra is None else torch.cat([out, extra], 1)
 
 
-def pack(tokens_out, committed, accepted, stopped, ell):
-    """The round's read-back: [S, G+1 committed tokens | committed | accepted | stopped | next ell]."""
+def calibrated_confidence(conf: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
+    """c [S, G] f32 from the head's logits: sigmoid(logit / T_k + b_k) in float64 where T > 0 (the
+    operations of `Calibration.confidence`, so eager and static admit alike), the raw head's f32
+    sigmoid where T = 0 (dspark_adaptive off: what the eager engine computes then)."""
+    T, b = cal[..., 0], cal[..., 1]
+    scaled = torch.sigmoid(conf.double() / torch.where(T > 0, T, torch.ones_like(T)) + b).float()
+    return torch.where(T > 0, scaled, torch.sigmoid(conf))
+
+
+def pack(tokens_out, committed, accepted, stopped, ell, conf):
+    """The round's read-back: [S, G+1 committed tokens | committed | accepted | stopped | next ell |
+    G confidence logits of the new block (f32 widened to f64, bit-cast: exact; the host reads them
+    with engine.unpack_confidence)]."""
     return torch.cat([tokens_out, committed[:, None], accepted[:, None], stopped.long()[:, None],
-                      ell.long()[:, None]], 1)
+                      ell.long()[:, None], conf.double().contiguous().view(torch.int64)], 1)
 
 
 # ---- the processed round variant: min_tokens, penalties and log-probs inside the graphs -------------
