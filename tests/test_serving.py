@@ -394,7 +394,8 @@ class ScriptedBackend:
 
     def stats(self):
         return {"slots_in_use": self.slots, "slots_total": 4, "decode_steps": 10, "graphs_per_step": 2.0,
-                "host_syncs_per_step": 0.0, "host_to_device_bytes_per_step": 412.0}
+                "host_syncs_per_step": 0.0, "host_to_device_bytes_per_step": 412.0,
+                "decode_steps_by_kind": {"draft": 6, "probe": 1, "aside": 3}}
 
     def close(self):
         pass
@@ -470,6 +471,7 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         assert metrics.slots_in_use.value == 3 and metrics.slots_total.value == 4
         assert metrics.graphs_per_step.value == 2.0 and metrics.host_syncs_per_step.value == 0.0
         assert metrics.h2d_bytes_per_step.value == 412.0 and metrics.decode_steps.value == 10
+        assert {k: m.value for k, m in metrics.steps_by_kind.items()} == {"draft": 6, "probe": 1, "aside": 3}
     finally:
         svc.close()
 

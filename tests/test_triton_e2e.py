@@ -159,7 +159,7 @@ def _metrics(server):
     for line in text.splitlines():
         if line.startswith("v4flash:"):
             name, value = line.rsplit(" ", 1)
-            reason = re.search(r'reason="(\w+)"', name)
+            reason = re.search(r'(?:reason|kind)="(\w+)"', name)
             name = name.split("{")[0] + (f"[{reason.group(1)}]" if reason else "")
             if "_bucket" not in name:
                 values[name] = float(value)

@@ -25,6 +25,9 @@ with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
   v4flash:requests_rejected_total       counter    requests refused at once because the wait queue
                                                    was full (UNAVAILABLE, setting max_queue_size)
   v4flash:requests_expired_total        counter    requests failed after queue_timeout_s without a slot
+  v4flash:decode_steps_by_kind          gauge      label kind: draft|probe|aside (DSpark's decision per
+                                                   decode step; aside: stepped aside, no draft stages)
+  (and the decode path's own gauges below: graphs, host syncs and bytes per step, fallbacks)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+STEP_KINDS = ("draft", "probe", "aside")  # engine.STEP_KINDS (serving does not import the engine)
 
 
 class ServingMetrics:
@@ -102,6 +106,10 @@ class ServingMetrics:
                                               "Graph executions per step with prefill rows (prefill graphs + the "
                                               "verify graph of its decode rows; 0: eager)",
                                               F.GAUGE).Metric(labels=labels)
+        by_kind = family("v4flash:decode_steps_by_kind",
+                         "Decode steps by DSpark's decision: draft (verify + draft), probe (one draft "
+                         "admitted), aside (stepped aside: no draft stages; 1 graph on the static path)", F.GAUGE)
+        self.steps_by_kind = {k: by_kind.Metric(labels=dict(labels, kind=k)) for k in STEP_KINDS}
 
     # ---- events --------------------------------------------------------------------------------
     def on_tokens(self, n: int, gap_s: float | None, since_arrival_s: float) -> None:
@@ -163,12 +171,15 @@ class ServingMetrics:
                             ("graphs_per_prefill_step", self.graphs_per_prefill_step)):
             if key in st:
                 metric.set(float(st[key]))
+        for kind, n in (st.get("decode_steps_by_kind") or {}).items():
+            if kind in self.steps_by_kind:
+                self.steps_by_kind[kind].set(float(n))
 
     def close(self) -> None:
         # Metric objects must go before their families (the stub refuses otherwise).
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
                      "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
-                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step"):
+                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "steps_by_kind"):
             setattr(self, name, None)
         self._families.clear()
