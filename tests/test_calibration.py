@@ -40,6 +40,23 @@ def test_ece_and_auroc_on_known_values():
     assert C.auroc(torch.tensor([0.5, 0.5, 0.5, 0.5]), torch.tensor([0, 1, 0, 1])) == 0.5
 
 
+def test_ece_noise_matches_the_binomial_floor():
+    """calibrate.ece_noise: a perfectly calibrated constant c = 1/2 on n blocks has one bin whose
+    ECE is |mean(label) - 1/2|, of mean s sqrt(2 / pi) with s = sqrt(1 / (4 n)) (half-normal): the
+    floor, within 15 % (200 draws). The bootstrap resamples |N(d, s)| around the observed offset d,
+    whose standard deviation lies between s sqrt(1 - 2 / pi) (d = 0) and s (d >> s)."""
+    from v4flash_backend.training.calibrate import ece_noise
+
+    n = 4000
+    g = torch.Generator().manual_seed(3)
+    conf = torch.full((n,), 0.5, dtype=torch.float64)
+    label = torch.bernoulli(conf, generator=g)
+    sd, floor = ece_noise(conf, label)
+    s = (1 / (4 * n)) ** 0.5
+    assert floor == pytest.approx(s * (2 / torch.pi) ** 0.5, rel=0.15)
+    assert 0.85 * s * (1 - 2 / torch.pi) ** 0.5 < sd < 1.15 * s
+
+
 def test_sts_calibrates_held_out_survivals_and_keeps_their_order():
     fit_z, fit_acc = synthetic_blocks(4000, 1)
     ev_z, ev_acc = synthetic_blocks(4000, 2)

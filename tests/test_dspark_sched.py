@@ -228,6 +228,21 @@ def test_sps_floor_lookup():
     assert bool((vals[1:] <= vals[:-1]).all())
 
 
+def test_sps_interpolated_lookup():
+    """interpolate=True: seconds linear in B between profiled sizes (no cliff at a bucket edge), the
+    profiled points themselves and the outside rules unchanged, saved and loaded with the table."""
+    t = SPSTable([2, 4, 8], [50.0, 40.0, 30.0], interpolate=True)
+    # B = 3: halfway between 1/50 s and 1/40 s; B = 6: halfway between 1/40 s and 1/30 s
+    assert t.lookup(3) == pytest.approx(1 / (0.5 / 50 + 0.5 / 40), rel=1e-12)
+    assert t.lookup(6) == pytest.approx(1 / (0.5 / 40 + 0.5 / 30), rel=1e-12)
+    assert [t.lookup(b) for b in (1, 2, 4, 8, 16)] == [50.0, 50.0, 40.0, 30.0, 15.0]
+    vals = t.lookup(torch.arange(1, 40))
+    assert bool((vals[1:] < vals[:-1])[2:7].all()) and bool((vals[1:] <= vals[:-1]).all())
+    u = SPSTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert u.interpolate and torch.equal(u.lookup(torch.arange(1, 20)), t.lookup(torch.arange(1, 20)))
+    assert not SPSTable.from_dict(SPSTable([2, 4], [5.0, 4.0]).to_dict()).interpolate  # floor by default
+
+
 def test_sps_save_load_round_trip(tmp_path):
     t = SPSTable.from_samples([(1, 1000.0), (2, 520.5), (2, 530.25), (4, 600.0), (8, 1 / 3)])
     p = tmp_path / "sps.json"

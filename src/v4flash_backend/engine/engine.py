@@ -333,7 +333,9 @@ class Engine:
         rs = sorted({1, 2, 4, 8, 16, 32, self.cfg.max_num_seqs} & set(range(1, self.cfg.max_num_seqs + 1)))
         draft_s = interleaved_medians(draft, rs, rounds=3) if d is not None else {}
         self.runner.reset_slot(scratch)
-        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, replaced)
+        # the eager forward's cost is close to affine in B: interpolate between the profiled sizes
+        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)], interpolate=True),
+                             draft_s, replaced)
         if self.cfg.sps_path:
             self.cost.save(self.cfg.sps_path)
         return self.cost

@@ -72,20 +72,37 @@ def collect(model, prompts, temperature: float, max_tokens: int, batch: int, see
     return logits[full], accepted[full]
 
 
+def ece_noise(conf: torch.Tensor, label: torch.Tensor, reps: int = 200, seed: int = 0) -> tuple[float, float]:
+    """The sampling noise of a binned ECE measured on these blocks: (the standard deviation of the
+    ECE over bootstrap resamples of the blocks, the mean ECE a perfectly calibrated head would show
+    on them: labels drawn as Bernoulli(conf), the estimator's own floor at this sample size)."""
+    g = torch.Generator().manual_seed(seed)
+    conf, label = conf.double().reshape(-1), label.double().reshape(-1)
+    n = conf.numel()
+    boot = [ece(conf[i], label[i]) for i in torch.randint(n, (reps, n), generator=g)]
+    floor = [ece(conf, torch.bernoulli(conf, generator=g)) for _ in range(reps)]
+    mean = sum(boot) / reps
+    return (sum((b - mean) ** 2 for b in boot) / (reps - 1)) ** 0.5, sum(floor) / reps
+
+
 def report_lines(name: str, logits, accepted, params) -> tuple[list[str], dict]:
     G = logits.shape[1]
     labels = prefix_labels(accepted, G)
     raw, cal = survivals(logits, [IDENTITY] * G), survivals(logits, params)
-    rows, rep = [], {"ece_before": [], "ece_after": [], "auroc": [], "blocks": int(len(accepted))}
+    rows, rep = [], {"ece_before": [], "ece_after": [], "ece_after_sd": [], "ece_floor": [], "auroc": [],
+                     "blocks": int(len(accepted))}
     for k in range(G):
         e0, e1 = ece(raw[:, k], labels[:, k]), ece(cal[:, k], labels[:, k])
+        sd, floor = ece_noise(cal[:, k], labels[:, k], seed=k)
         a = auroc(cal[:, k], labels[:, k])
         rep["ece_before"].append(round(e0, 4))
         rep["ece_after"].append(round(e1, 4))
+        rep["ece_after_sd"].append(round(sd, 4))
+        rep["ece_floor"].append(round(floor, 4))
         rep["auroc"].append(round(a, 4))
         rows.append(f"{name:>8} {k + 1:>3} {float(labels[:, k].double().mean()):8.3f} {float(raw[:, k].mean()):8.3f} "
-                    f"{float(cal[:, k].mean()):8.3f} {e0 * 100:7.2f}% {e1 * 100:7.2f}% {a:7.3f}  "
-                    f"T={params[k][0]:.3f} b={params[k][1]:+.2f}")
+                    f"{float(cal[:, k].mean()):8.3f} {e0 * 100:7.2f}% {e1 * 100:7.2f}% {sd * 100:5.2f}% "
+                    f"{floor * 100:5.2f}% {a:7.3f}  T={params[k][0]:.3f} b={params[k][1]:+.2f}")
     return rows, rep
 
 
@@ -123,7 +140,7 @@ def main(argv=None) -> int:
               "sampled": (prompts[:n_sampled][0::2], prompts[:n_sampled][1::2])}
     cal = Calibration(G)
     lines = [f"{'regime':>8} {'pos':>3} {'observed':>8} {'raw a_k':>8} {'cal a_k':>8} {'ECE raw':>8} "
-             f"{'ECE cal':>8} {'AUROC':>7}"]
+             f"{'ECE cal':>8} {'+-sd':>6} {'floor':>6} {'AUROC':>7}"]
     report = {"prompts": a.prompts, "sampled_prompts": n_sampled, "prompt_len": a.prompt_len,
               "max_tokens": a.max_tokens, "seed": a.seed,
               "objective": a.objective}
@@ -155,7 +172,9 @@ def main(argv=None) -> int:
     cal.report = report
     print("\n".join(lines))
     worst = max(max(report[r]["ece_after"]) for r in REGIMES)
-    print(f"calibration: max_ece_after={worst * 100:.2f}% blocks_eval="
+    at = max(((r, k) for r in REGIMES for k in range(G)), key=lambda rk: report[rk[0]]["ece_after"][rk[1]])
+    print(f"calibration: max_ece_after={worst * 100:.2f}% (+-{report[at[0]]['ece_after_sd'][at[1]] * 100:.2f}% "
+          f"bootstrap sd, {at[0]} position {at[1] + 1}) blocks_eval="
           f"{report['greedy']['blocks']}+{report['sampled']['blocks']} seconds={report['seconds']}")
     if not a.dry_run:
         cal.save(a.checkpoint / FILE_NAME)
