@@ -127,7 +127,8 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
     then runs the FX graph op by op: a CPU stand-in for neuronx-cc): one graph per entry point and
     variant (plain, and processed: min_tokens / penalties / log-probs), none re-traced while
     serving, no host sync in a graph (compile_step refuses one); the eager engine's tokens and
-    log-probs (exact). With dspark_adaptive (a step cost where the random drafts do not pay):
+    log-probs (exact). With dspark_adaptive (one request under a step cost where drafting pays, one where
+    it does not):
     calibrated admission, probes and stepped-aside rounds (graph 1 alone) in the same compiled
     graphs, the same decisions as the eager engine. On the 4-layer model (conftest.SMALL: every
     block type, under half the golden model's trace)."""
@@ -144,9 +145,11 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
 
     def serve(runner):
         eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3))
-        eng.cost = StepCost(SPS, {1: 0.05})  # drafting costs half a forward: the random drafts do not pay
         out = []
-        for kw in reqs:
+        # the first request with drafting at half a forward (pays at the untrained head's c = 0.5),
+        # the second at twice a forward (does not: stepped aside, with probes); graph inputs only
+        for kw, draft_s in zip(reqs, (0.05, 0.2)):
+            eng.cost = StepCost(SPS, {1: draft_s})
             ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=12, ignore_eos=True, **kw))
             out.append([(e.token_ids, e.logprobs) for e in ev])
         return out, eng.stats()
