@@ -10,8 +10,11 @@ import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_ports(n: int) -> list[int]:
@@ -54,3 +57,20 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def start_serve(repo, log_path, **env) -> tuple[subprocess.Popen, dict]:
+    """scripts/serve.sh (what `make serve` runs) on the model repository `repo`, on three free loopback
+    ports, stdout and stderr into log_path, in its own session (`stop` ends it); `env` adds or
+    overrides environment variables. With restarts off (conftest), serve.sh execs run_tritonserver.sh,
+    which execs tritonserver: the process is the server. Returns it and {http, grpc, metrics (URL),
+    log, http_port} -- not yet ready (`wait_ready`)."""
+    http, grpc, metrics = free_ports(3)
+    full = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http), GRPC_PORT=str(grpc),
+                METRICS_PORT=str(metrics), **env)
+    full.pop("V4FLASH_CHECKPOINT_DIR", None)  # the repository's checkpoint_dir parameter decides
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=full, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}",
+                  "metrics": f"http://127.0.0.1:{metrics}/metrics", "log": log_path, "http_port": http}

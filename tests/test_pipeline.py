@@ -353,7 +353,7 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
     pipeline_micro_batches 2 (a prompt and its concurrent warm-up-free requests split per step)."""
     from tokenizers import Tokenizer
 
-    from _triton import free_ports, wait_ready
+    from _triton import start_serve, wait_ready
     from _triton import stop as stop_server
     from test_triton_e2e import PROMPT_TEXT, N, _build_repository, _concurrently, _grpc, _set_param
 
@@ -366,16 +366,9 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
         repo = _build_repository(tmp_path)
         cfg_path = repo / "v4flash" / "config.pbtxt"
         cfg_path.write_text(_set_param(cfg_path.read_text(), "rank_group_address", address))
-        http_port, grpc_port, metrics_port = free_ports(3)
-        env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
-                   METRICS_PORT=str(metrics_port))
-        env.pop("V4FLASH_CHECKPOINT_DIR", None)
         log_path = tmp_path / "tritonserver.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        wait_ready(proc, http_port, log_path, 240)
-        server = {"grpc": f"127.0.0.1:{grpc_port}"}
+        proc, server = start_serve(repo, log_path)
+        wait_ready(proc, server["http_port"], log_path, 240)
         tok = Tokenizer.from_file(str(GOLDEN / "tokenizer.json"))
         ids = tok.encode(PROMPT_TEXT, add_special_tokens=True).ids
         want = _alone(tiny_model, ids, N)

@@ -6,7 +6,6 @@ server start-ups (~1-2 min on 2 busy cores)."""
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from _triton import free_ports, stop, wait_ready
+from _triton import start_serve, stop, wait_ready
 from test_soak import _load_soak
 from v4flash_backend.group.rank_group import process_start_time
 
@@ -42,15 +41,10 @@ def test_serve_sh_restarts_a_crashed_tritonserver_whose_rank_group_dies_with_it(
     if not (REPO / ".triton/backends/python/triton_python_backend_stub").exists():
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     soak_mod = _load_soak()
-    http, grpc, metrics = free_ports(3)
     repo = soak_mod.build_repository(tmp_path)
-    env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http), GRPC_PORT=str(grpc),
-               METRICS_PORT=str(metrics), SERVE_MAX_RESTARTS="2")
-    env.pop("V4FLASH_CHECKPOINT_DIR", None)
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc, server = start_serve(repo, log_path, SERVE_MAX_RESTARTS="2")
+    http, grpc = server["http_port"], int(server["grpc"].rsplit(":", 1)[1])
     s = soak_mod.Soak(SimpleNamespace(seed=0, grpc_port=grpc, http_port=http, request_timeout_s=60.0))
     probe = dict(input_ids=[0, 5], stream=False, max_tokens=1)
     old_group = []

@@ -11,11 +11,9 @@ engine's greedy output does not depend on batching (exact numerics) nor on DSpar
 
 import http.client
 import json
-import os
 import re
 import shutil
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -26,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
 
-from _triton import free_ports, stop, wait_ready
+from _triton import start_serve, stop, wait_ready
 from v4flash_backend.client import GenerateError, generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,21 +70,12 @@ def server(tmp_path_factory):
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     root = tmp_path_factory.mktemp("triton_e2e")
     repo = _build_repository(root)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
-               METRICS_PORT=str(metrics_port))
-    env.pop("V4FLASH_CHECKPOINT_DIR", None)
     log_path = root / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        # serve.sh execs run_tritonserver.sh, which execs tritonserver: proc.pid is the server,
-        # in its own session with its stubs (the rank group has its own session, stopped by
-        # the v4flash model's finalize()).
-        proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    # the rank group has its own session, stopped by the v4flash model's finalize()
+    proc, server = start_serve(repo, log_path)
     try:
-        wait_ready(proc, http_port, log_path, READY_TIMEOUT_S, tail=6000)
-        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
-               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "log": log_path}
+        wait_ready(proc, server["http_port"], log_path, READY_TIMEOUT_S, tail=6000)
+        yield server
     finally:
         stop(proc, 60)
     log_text = log_path.read_text()

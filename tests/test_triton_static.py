@@ -10,15 +10,13 @@ depend on admission). Cancellations free their slots; the metrics report 2 graph
 host syncs per decode step.
 """
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 import test_triton_e2e as e2e  # noqa: E402 - the helpers of the eager e2e module (same directory)
-from _triton import free_ports, stop, wait_ready
+from _triton import start_serve, stop, wait_ready
 
 REPO = e2e.REPO
 GOLDEN = e2e.GOLDEN
@@ -44,18 +42,11 @@ def server(tmp_path_factory):
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     root = tmp_path_factory.mktemp("triton_static")
     repo = _build(root)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
-               METRICS_PORT=str(metrics_port))
-    env.pop("V4FLASH_CHECKPOINT_DIR", None)
     log_path = root / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(["bash", str(REPO / "scripts/serve.sh")], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc, server = start_serve(repo, log_path)
     try:
-        wait_ready(proc, http_port, log_path, 2 * e2e.READY_TIMEOUT_S, tail=6000)
-        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
-               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "log": log_path}
+        wait_ready(proc, server["http_port"], log_path, 2 * e2e.READY_TIMEOUT_S, tail=6000)
+        yield server
     finally:
         stop(proc, 60)
 
