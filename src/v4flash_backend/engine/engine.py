@@ -586,10 +586,7 @@ class Engine:
         if drafted and decision == "probe":
             self.totals["draft_probes"] += 1
         if drafted and self.adaptive and dspark:  # as _draft: the next decision reads these survivals
-            c = self.calib.cal.confidence(torch.stack([s.conf_logits for s in drafted]),
-                                          [regime(s.req.temperature) for s in drafted])
-            for s, a in zip(drafted, torch.cumprod(c.double(), 1).tolist()):
-                s.last_surv = a
+            self._calibrated(drafted, torch.stack([s.conf_logits for s in drafted]))
         for s in [s for s in self.running if self._done(s)]:
             self._release(s)
         self.running = [s for s in self.running if not self._done(s)]
@@ -744,11 +741,7 @@ class Engine:
         conf_logits = self._confidence_logits(out, block)
         c = None
         if self.adaptive and self.cfg.spec_mode == "dspark":
-            # every drafted block's calibrated survivals, a probe's included: the next step's decision
-            # to step aside reads them (a probe that left them stale kept a request aside for good)
-            c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
-            for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
-                s.last_surv = a
+            c = self._calibrated(seqs, conf_logits)
         if self.cfg.spec_mode == "fixed":
             ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
@@ -766,6 +759,16 @@ class Engine:
             s.ell = int(ell[i])
             s.drafted += self.gamma
         self.totals["drafted"] += self.gamma * len(seqs)
+
+    def _calibrated(self, seqs: list[_Seq], conf_logits: torch.Tensor) -> torch.Tensor:
+        """The calibrated confidences [R, G] of the seqs' new blocks (each in its request's regime).
+        Every drafted block's survivals (their cumulative product), a probe's included, become the
+        request's `last_surv`: the next step's decision to step aside reads them (a probe that left
+        them stale kept a request aside for good). Eager drafting and static rounds alike."""
+        c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
+        for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
+            s.last_surv = a
+        return c
 
     def _confidence_logits(self, out, block: acc.DraftBlock) -> torch.Tensor:
         """The confidence head on each draft's predecessor (block.prev), never the draft itself: c_k
