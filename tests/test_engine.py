@@ -191,3 +191,22 @@ def test_run_loop_serves_from_another_thread(tiny_model):
     stop.set()
     th.join(5)
     assert sum(len(e.token_ids) for e in out) == 4
+
+
+def test_eager_host_syncs_are_counted_only_when_asked(tiny_model):
+    """The eager runner counts host syncs only with count_host_syncs (the setting the worker and the
+    in-process client pass; `generate --step-report` sets it): uncounted, the stats say None (not
+    measured) and the Prometheus gauge keeps its value instead of reading 0; counted, the eager
+    forward's syncs are seen, and the tokens are the same either way."""
+    from v4flash_backend.group.worker import build_runner
+
+    out = {}
+    for count in (False, True):
+        s = Settings(max_num_seqs=1, max_model_len=64, spec_mode="dspark", count_host_syncs=count)
+        eng = Engine(build_runner(tiny_model, s), s)
+        ev = eng.run_request(GenerateRequest(prompt=_prompt(8, 3), max_tokens=6, ignore_eos=True))
+        out[count] = ([t for e in ev for t in e.token_ids], eng.stats())
+    assert out[False][0] == out[True][0] and len(out[True][0]) == 6
+    assert out[False][1]["host_syncs_per_step"] is None
+    assert out[True][1]["host_syncs_per_step"] > 10
+    assert Settings().count_host_syncs is False

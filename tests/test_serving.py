@@ -472,6 +472,8 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         assert metrics.graphs_per_step.value == 2.0 and metrics.host_syncs_per_step.value == 0.0
         assert metrics.h2d_bytes_per_step.value == 412.0 and metrics.decode_steps.value == 10
         assert {k: m.value for k, m in metrics.steps_by_kind.items()} == {"draft": 6, "probe": 1, "aside": 3}
+        metrics.set_decode({"host_syncs_per_step": None, "decode_steps": 11})  # eager, uncounted
+        assert metrics.host_syncs_per_step.value == 0.0 and metrics.decode_steps.value == 11
     finally:
         svc.close()
 

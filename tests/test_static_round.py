@@ -80,7 +80,7 @@ def _run(runner, T, mode, max_tokens=12, seed=7):
 @pytest.mark.parametrize("mode", ["dspark", "fixed"])
 def test_static_round_serves_the_eager_tokens(tiny_model, mode):
     for T in (0.0, 0.8):
-        want, est = _run(LocalRunner(tiny_model, 3, 64), T, mode)
+        want, est = _run(LocalRunner(tiny_model, 3, 64, count_host_syncs=True), T, mode)
         got, st = _run(StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none")), T, mode)
         assert got == want and len(got) == 12, (mode, T)
         assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] >= 2

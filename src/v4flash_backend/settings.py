@@ -98,6 +98,10 @@ class Settings:
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
         "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS)
+    count_host_syncs: bool = setting(
+        False, "eager decode: count the host syncs of every forward (the engine stats' "
+        "host_syncs_per_step; a hook on every torch call, 30-40 % of a CPU forward; `generate "
+        "--step-report` turns it on); the static path counts its own either way", scope="group")
     warm_processed: bool = setting(
         True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs) at "
         "start; false: at its first use", scope="group")

@@ -39,6 +39,18 @@ class HostSyncCounter(TorchFunctionMode):
         return sum(self.calls.values())
 
 
+class NoSyncCounter:
+    """HostSyncCounter's interface without the counting (and without its per-op cost)."""
+
+    total = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 class BoundarySpy(TorchFunctionMode):
     """Records every call that moves a tensor across the host/device boundary (.to(device) / .cpu /
     .cuda / copy_ from another tensor / .numpy / .tolist / .item) and whether that tensor is (a view

@@ -261,7 +261,8 @@ class Engine:
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),
-                 host_syncs_per_step=dt["host_syncs"] / n if n else 0.0,
+                 host_syncs_per_step=((dt["host_syncs"] / n if n else 0.0)
+                                      if getattr(self.runner, "counts_host_syncs", True) else None),
                  host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)
         d["decode_steps_by_kind"] = {k: v[0] for k, v in self.kind_totals.items()}
         d["graphs_per_step_by_kind"] = {k: v[1] / v[0] if v[0] else 0.0 for k, v in self.kind_totals.items()}

@@ -42,12 +42,20 @@ class LocalRunner:
     """The eager (op-by-op) runner. `counters` count what a device would see: graph executions
     (none here: every op is its own launch), host syncs (the device-to-host reads of the eager
     forward, found by `HostSyncCounter`, plus the read-back of the logits / draft logits the
-    engine samples from on the host) and host-to-device bytes (the step's inputs)."""
+    engine samples from on the host) and host-to-device bytes (the step's inputs).
+
+    Host syncs are counted only with count_host_syncs: `HostSyncCounter` is a TorchFunctionMode
+    that every torch call of the forward passes through, and on a CPU, where the tiny model's step
+    is mostly per-op dispatch, it cost 39 % of a decode forward at 1 sequence and 29 % at 8
+    (49.3 -> 29.9 ms and 104.0 -> 73.6 ms, `perf/eager_overhead.py`, medians of 5 rounds). Off,
+    `counts_host_syncs` is False and the engine reports no figure for them rather than a 0."""
 
     decode_graph = "eager"
     static_rounds = False
 
-    def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8):
+    def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8,
+                 count_host_syncs: bool = False):
+        self.counts_host_syncs = count_host_syncs
         self.model = model
         self.cfg = model.cfg
         self.state = ModelState(model.cfg, num_slots, max_len, margin)
@@ -61,6 +69,11 @@ class LocalRunner:
         c["host_to_device_bytes"] += h2d
         c["graph_executions"] += graphs
 
+    def _sync_counter(self):
+        from .device_boundary import HostSyncCounter, NoSyncCounter
+
+        return HostSyncCounter() if self.counts_host_syncs else NoSyncCounter()
+
     # every method below is one collective-synchronous call in a rank group
     def reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)
@@ -68,9 +81,7 @@ class LocalRunner:
     def forward(self, tokens: torch.Tensor, spec: list[tuple[int, int, int]], logits_rows,
                 want_taps: bool) -> StepOutput:
         """spec: [(slot, start, n)] in row order; logits_rows: LongTensor of rows (or 'last'/'all')."""
-        from .device_boundary import HostSyncCounter
-
-        with HostSyncCounter() as hs:
+        with self._sync_counter() as hs:
             out = self.model.forward(self.state, tokens, make_segments(spec), logits_rows, want_taps)
         rows = 0 if isinstance(logits_rows, str) else len(logits_rows)
         self._count(hs.total + (out.logits is not None), 8 * (len(tokens) + 3 * len(spec) + rows))
@@ -81,11 +92,9 @@ class LocalRunner:
                items: list[tuple[int, int, int]]) -> DraftOutput | None:
         """writes: [(slot, rows of the last forward's taps, their positions)] -> DSpark rings;
         items: [(slot, p, anchor)] -> draft blocks at positions p+1..p+B (None if no items)."""
-        from .device_boundary import HostSyncCounter
-
         d = self.drafter
         h2d = 8 * (sum(2 * len(r) + 2 for _, r, _ in writes) + 3 * len(items))
-        with HostSyncCounter() as hs:
+        with self._sync_counter() as hs:
             for slot, rows, positions in writes:
                 if len(rows):
                     d.write_ring(self.state, slot, d.main_x(self.last_taps[rows]), positions)

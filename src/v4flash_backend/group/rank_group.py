@@ -552,7 +552,8 @@ def generate_settings(args, prompt: list[int]):
                                ("spec_mode", getattr(args, "spec_mode", None)),
                                ("pipeline_parallel", getattr(args, "pipeline_parallel", None)),
                                ("sequence_parallel", getattr(args, "sequence_parallel", None)),
-                               ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args))) if v}
+                               ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args)),
+                               ("count_host_syncs", bool(getattr(args, "step_report", False)))) if v}
     return Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
                     ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
                     max_model_len=len(prompt) + args.max_tokens + 8, **extra)
@@ -627,6 +628,8 @@ def step_report_lines(tokens, st: dict, world) -> str:
     Per-step figures are over decode steps (steps with no prefill rows); graphs_per_step and
     host_syncs_per_step print as integers when they are whole."""
     def num(v):
+        if v is None:
+            return "n/a"  # not counted (an eager runner without count_host_syncs)
         return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
 
     return (f"ids: {','.join(map(str, tokens))}\n"

@@ -292,6 +292,7 @@ class PlanRunner:
         self.decode_graph = getattr(local, "decode_graph", "eager")
         self.static_rounds = getattr(local, "static_rounds", False)
         self.counters = local.counters
+        self.counts_host_syncs = getattr(local, "counts_host_syncs", True)
 
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         return self.local.round_fits(seqs, ctx_needed)  # a pure function of the plan: no broadcast
@@ -786,7 +787,8 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     from v4flash_backend.engine.runner import LocalRunner
 
     if settings.decode_graph_mode != "static":
-        return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)  # +1: the SPS scratch slot
+        return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,  # +1: the SPS scratch slot
+                           count_host_syncs=settings.count_host_syncs)
     from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
 
     ns = NeuronSettings.from_env()

@@ -71,7 +71,8 @@ class InProcessEngine:
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = settings.max_model_len
         # One slot more than max_num_seqs: the engine profiles its steps/s table on the last.
-        runner = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len)
+        runner = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,
+                             count_host_syncs=settings.count_host_syncs)
         self.engine = Engine(runner, settings)
         if self.engine.spec:
             self.engine.ensure_cost()  # at load time, not in the first request's latency

@@ -169,7 +169,7 @@ class ServingMetrics:
                             ("host_to_device_bytes_per_step", self.h2d_bytes_per_step),
                             ("static_fallback_steps", self.static_fallback_steps),
                             ("graphs_per_prefill_step", self.graphs_per_prefill_step)):
-            if key in st:
+            if st.get(key) is not None:  # None: not measured (the eager runner's uncounted host syncs)
                 metric.set(float(st[key]))
         for kind, n in (st.get("decode_steps_by_kind") or {}).items():
             if kind in self.steps_by_kind:

@@ -407,7 +407,9 @@ class StaticRunner(LocalRunner):
 
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
                  settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0):
-        super().__init__(model, num_slots + 1, max_len, margin)  # + the scratch slot
+        # + the scratch slot; host syncs counted as before: a static decode round is one graph call
+        # (its count is the interface: 0), and the eager forwards of fallback steps are rare
+        super().__init__(model, num_slots + 1, max_len, margin, count_host_syncs=True)
         _settle_weights(model)
         settings = settings or NeuronSettings()
         self.G = model.cfg.dspark_block_size or 0
