@@ -140,13 +140,14 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
         for r in reqs:
             eng.submit(r)
         while len(done) < len(reqs):
-            # decode-only steps: (measured seconds, the step-cost model's t_forward(B) + t_draft(R))
+            # decode-only steps: (measured seconds, the step-cost model's t_forward(B, S) + t_draft(R))
             dec = eng.running and not any(s.prefilling for s in eng.running) and mode != "off"
-            B, drafted0, ts = sum(1 + s.ell for s in eng.running), eng.totals["drafted"], time.perf_counter()
+            B, S = sum(1 + s.ell for s in eng.running), len(eng.running)
+            drafted0, ts = eng.totals["drafted"], time.perf_counter()
             eng.step()
             if dec and steps is not None:
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
-                steps.append((time.perf_counter() - ts, float(cost.t_forward(B)) + cost.t_draft(R)))
+                steps.append((time.perf_counter() - ts, float(cost.t_forward(B, S)) + cost.t_draft(R)))
         seconds += time.perf_counter() - t0
         st = eng.stats()
         tokens += st["output_tokens"]

@@ -187,8 +187,8 @@ def _check_static_equals_eager(model, reqs, cost, **kw):
 def test_static_rounds_step_aside_like_eager_steps(tiny_model):
     """The golden checkpoint's random drafts are almost never accepted: after the first blocks both
     modes step aside (the static round: graph 1 alone) and probe every 4 steps, alike."""
-    st = _check_static_equals_eager(tiny_model, [([0, 5, 6, 7, 8], 26, 0.0, None),
-                                                 ([0, 17, 230, 5, 99, 41], 18, 0.8, 7)], FLAT, probe_every=4)
+    st = _check_static_equals_eager(tiny_model, [([0, 5, 6, 7, 8], 36, 0.0, None),
+                                                 ([0, 17, 230, 5, 99, 41], 24, 0.8, 7)], FLAT, probe_every=4)
     kinds = st["decode_steps_by_kind"]
     assert kinds["aside"] >= 8 and kinds["probe"] >= 2 and kinds["draft"] >= 1, kinds
     # a stepped-aside round with nothing left to verify runs the 1-row plain-decode graph
@@ -216,3 +216,86 @@ def test_static_rounds_keep_drafting_like_eager_steps():
                                     checkpoint_dir=str(ckpt))
     assert st["draft_skipped"] == 0 and st["decode_steps_by_kind"]["draft"] == st["decode_steps"]
     assert 0 < st["admitted"] < st["drafted"] and st["tau"] > 1.5  # admission chose, not all-or-nothing
+
+
+# ---- the eager profile by sequences and the stepping-aside estimate ---------------------------------
+def test_seq_model_fit_recovers_the_step_and_leaves_a_burst_out():
+    """t = a + s R + b B from medians over (R, B); one burst of load (3x) is left out, not averaged
+    into the row cost; a negative slope is refitted as 0 (more rows never make a forward faster)."""
+    from v4flash_backend.engine.step_cost import fit_seq_model
+
+    a, s, b = 0.030, 0.009, 0.0012
+    pts = {(R, R * k): a + s * R + b * R * k for R in (1, 2, 4, 8) for k in (1, 2, 4, 6)}
+    pts[(4, 16)] *= 3.0
+    (fa, fs, fb), dropped = fit_seq_model(pts)
+    assert dropped == [(4, 16)]
+    assert (fa, fs, fb) == pytest.approx((a, s, b), rel=1e-6)
+    (_, _, fb), _ = fit_seq_model({(R, R * k): 0.05 + 0.01 * R - 1e-4 * R * k for R in (1, 2, 4) for k in (1, 3)})
+    assert fb == 0.0
+
+
+def test_cost_by_sequences_interpolates_in_R_and_round_trips(tmp_path):
+    """An eager forward of B tokens costs more over more sequences: t_forward(B, R) reads R's table,
+    interpolates between profiled R, and drafting_pays / sps_for use it (a cost that ignored R
+    would price 8 sequences x 1 row as one sequence of 8 rows)."""
+    def tab(R):
+        return SPSTable([R, 2 * R, 6 * R], [1 / (0.03 + 0.01 * R + 0.001 * B) for B in (R, 2 * R, 6 * R)],
+                        interpolate=True)
+
+    cost = StepCost(tab(1), {1: 0.01, 8: 0.02}, by_seqs={1: tab(1), 4: tab(4), 8: tab(8)})
+    assert cost.t_forward(8, 8) == pytest.approx(0.03 + 0.08 + 0.008)
+    assert cost.t_forward(8, 1) < cost.t_forward(8, 8)
+    assert cost.t_forward(12, 6) == pytest.approx((0.03 + 0.04 + 0.012 + 0.03 + 0.08 + 0.012) / 2)
+    assert float(cost.sps_for(8)(torch.tensor([16]))) == pytest.approx(1 / (0.03 + 0.08 + 0.016 + 0.02))
+    cost.save(tmp_path / "c.json")
+    back = StepCost.load(tmp_path / "c.json")
+    assert back.t_forward(12, 6) == pytest.approx(cost.t_forward(12, 6)) and sorted(back.by_seqs) == [1, 4, 8]
+    # drafting_pays prices plain decoding of 8 sequences at R = 8's cost
+    surv = [expected_survivals([0.6] * 5)] * 8
+    plain = 8 / cost.t_forward(8, 8)
+    _, ell = drafting_pays(cost, surv)
+    rate = sum(1 + sum(a[:ell]) for a in surv) / (cost.t_forward(8 * (1 + ell), 8) + cost.t_draft(8))
+    assert rate > plain
+
+
+def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
+    """A request's expected survivals: its regime's rate as a prior of 2 blocks, then its blocks
+    with decay 0.75. One block whose head is unsure does not make a request with a good record
+    step aside (the last block's survivals alone did: 191 of 290 steps stepped aside at batch 1 on
+    the embedded model); blocks admit keeps declining pull the estimate down, so a request the head
+    keeps doubting stops paying for the draft stages; verified outcomes count as they fell."""
+    from v4flash_backend.engine.engine import _Seq
+
+    eng = _engine(tiny_model, dspark_adaptive=True)
+    G = eng.gamma
+    for n_acc in [0] * 8 + [1] * 4 + [2] * 2 + [3, 5]:  # the regime's window: each draft accepted half the time
+        eng.calib.observe("greedy", torch.zeros(G), G, n_acc)
+    prior = eng.calib.acceptance_rates("greedy")
+    assert prior == [0.5] * G
+    cost = flat_cost(draft_s=0.020)  # 40 ms forward, 20 ms drafting: pays when the survivals sum > 0.5
+    s = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])
+    assert eng._expected_survivals(s) == pytest.approx(expected_survivals(prior))
+    for _ in range(6):  # six blocks, every admitted draft accepted
+        s.ell, s.last_c, s.conf_logits = G, [0.9] * G, torch.zeros(G)
+        eng._account_verify(s, G)
+    good = eng._expected_survivals(s)
+    assert good[0] > 0.75 and drafting_pays(cost, [good])[0]
+    s.ell, s.last_c = 0, [0.05] * G  # one block admit declined: counted in expectation
+    eng._account_verify(s, 0)
+    one_bad = eng._expected_survivals(s)
+    assert 0.55 < one_bad[0] < good[0] and drafting_pays(cost, [one_bad])[0]
+    for _ in range(8):
+        eng._account_verify(s, 0)
+    doubted = eng._expected_survivals(s)
+    assert doubted[0] < 0.25 and not drafting_pays(cost, [doubted])[0]
+    # verified outcomes: draft 0 accepted, draft 1 rejected -> position 1 reached, not accepted;
+    # positions 2.. not reached (no evidence)
+    t = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=1, tokens=[0, 1])
+    t.ell, t.last_c, t.conf_logits = 3, [0.5] * G, torch.zeros(G)
+    eng._account_verify(t, 1)
+    assert t.ev_trials == [1.0, 1.0, 0.0, 0.0, 0.0] and t.ev_hits == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # every verified draft accepted: the unverified ones count with the head's calibrated chances
+    u = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=2, tokens=[0, 1])
+    u.ell, u.last_c, u.conf_logits = 2, [0.5, 0.5, 0.8, 0.5, 0.4], torch.zeros(G)
+    eng._account_verify(u, 2)
+    assert u.ev_trials == pytest.approx([1, 1, 1, 0.8, 0.4]) and u.ev_hits == pytest.approx([1, 1, 0.8, 0.4, 0.16])

@@ -39,7 +39,7 @@ from .sampling import (
     token_logprobs,
     unpack_logprobs,
 )
-from .step_cost import StepCost, affine_checked, drafting_pays, expected_survivals, interleaved_medians
+from .step_cost import StepCost, drafting_pays, expected_survivals, fit_seq_model, interleaved_medians
 
 # the draft block of a sequence lives in the runner's per-slot state (a static decode round wrote it)
 ON_DEVICE = "device"
@@ -114,6 +114,11 @@ class _Seq:
     draft: tuple | str | None = None  # (tokens [G], prev [G], q [G], z [G, V]) or ON_DEVICE
     conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for a host-drafted block
     last_surv: list[float] | None = None  # calibrated prefix survivals of its last drafted block
+    last_c: list[float] | None = None  # calibrated conditional confidences of the block it verifies next
+    # per position k: decayed counts of "draft k reached" (trials) and "draft k accepted" (hits) over
+    # its verified blocks, unverified positions counted in expectation (see Engine._observe_block)
+    ev_trials: list[float] | None = None
+    ev_hits: list[float] | None = None
     ell: int = 0  # drafts admitted for the next verify
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
@@ -297,9 +302,10 @@ class Engine:
             self.ensure_cost()
 
     def ensure_cost(self) -> StepCost:
-        """The target forward's steps/s by B tokens and the draft stages' seconds by R requests,
-        profiled once on a scratch slot (interleaved rounds, medians, affine check; step_cost.py),
-        or loaded from sps_path."""
+        """The target forward's steps/s by B tokens of R sequences and the draft stages' seconds by
+        R requests, profiled once (interleaved rounds, medians, affine check; step_cost.py) on the
+        free slots and the scratch slot, or loaded from sps_path. A profile taken while requests
+        hold slots covers R up to the free ones (t_forward holds the largest R's table beyond)."""
         if self.cost is not None:
             return self.cost
         import os
@@ -313,30 +319,47 @@ class Engine:
         if getattr(self.runner, "static_rounds", False):
             return self._static_cost(sizes, scratch)
 
-        def fwd(b: int):
-            self.runner.reset_slot(scratch)
-            self.runner.forward(torch.zeros(b, dtype=torch.long), [(scratch, 0, b)], torch.tensor([b - 1]), True)
+        # eager: forwards shaped like decode steps -- R sequences x k rows each after a context of
+        # C tokens, on the free slots (all of them at start), so the per-sequence work is in the
+        # table; the context is written once and each timed call overwrites the same positions
+        # (a reset inside the timed call had added its own cost to every size)
+        Q = 1 + self.gamma
+        slots = ([scratch] + [s for s in self.free if s != scratch])[:self.cfg.max_num_seqs]
+        ctx = max(1, min(48, self.cfg.max_model_len - Q - 2))
+        ks = sorted(k for k in {1, 2, (Q + 2) // 2, Q} if 1 <= k <= Q)
+        Rs = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= len(slots)} | {len(slots)})
+        for slot in slots:
+            self.runner.reset_slot(slot)
+            self.runner.forward(torch.zeros(ctx, dtype=torch.long), [(slot, 0, ctx)], torch.tensor([ctx - 1]), True)
+            self.runner.dspark([(slot, torch.arange(ctx), torch.arange(ctx))], [])
+        pairs = [(R, k) for R in Rs for k in ks]
 
-        fwd_s, replaced = affine_checked(interleaved_medians(fwd, sizes, rounds=3))
-        # draft stages + host drafting work for R requests, on a scratch context of 8 positions
-        fwd(8)
-        self.runner.dspark([(scratch, torch.arange(8), torch.arange(8))], [])
+        def fwd(i: int):
+            R, k = pairs[i]
+            self.runner.forward(torch.zeros(R * k, dtype=torch.long), [(slots[j], ctx, k) for j in range(R)],
+                                torch.arange(R * k), True)
+
+        med = interleaved_medians(fwd, range(len(pairs)), rounds=3)
+        (a, s_r, b_r), dropped = fit_seq_model({(R, R * k): med[i] for i, (R, k) in enumerate(pairs)})
+        replaced = [list(p) for p in dropped]
+        # each R's table holds the fitted model at its profiled sizes (linear in B: interpolated)
+        by_seqs = {R: SPSTable([R * k for k in ks], [1.0 / max(a + s_r * R + b_r * R * k, 1e-6) for k in ks],
+                               interpolate=True) for R in Rs}
         d = self.runner.drafter
 
-        def draft(R: int):
-            out = self.runner.dspark([], [(scratch, 7, 3)] * R)
+        def draft(R: int):  # draft stages + host drafting work for R requests
+            out = self.runner.dspark([], [(slots[j], ctx - 1, 3) for j in range(R)])
             params = SamplingParams.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
             block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
                                      params, self._sampler_for(R))
             admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])),
                   lambda B: torch.ones_like(B, dtype=torch.float64))
 
-        rs = sorted({1, 2, 4, 8, 16, 32, self.cfg.max_num_seqs} & set(range(1, self.cfg.max_num_seqs + 1)))
+        rs = sorted({r for r in (1, 2, 4, 8, 16, 32) if r <= len(slots)} | {len(slots)})
         draft_s = interleaved_medians(draft, rs, rounds=3) if d is not None else {}
-        self.runner.reset_slot(scratch)
-        # the eager forward's cost is close to affine in B: interpolate between the profiled sizes
-        self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)], interpolate=True),
-                             draft_s, replaced)
+        for slot in slots:
+            self.runner.reset_slot(slot)
+        self.cost = StepCost(by_seqs[1], draft_s, replaced, by_seqs=by_seqs)
         if self.cfg.sps_path:
             self.cost.save(self.cfg.sps_path)
         return self.cost
@@ -384,10 +407,7 @@ class Engine:
         acceptances observed in earlier steps, never this step's draws."""
         if self.cfg.spec_mode != "dspark" or not self.adaptive:
             return "draft"
-        # a request's expected survivals: its last block's calibrated confidences (a block admit left
-        # unverified says as much as a verified one), else the acceptance observed in its regime
-        surv = [s.last_surv or expected_survivals(self.calib.acceptance_rates(regime(s.req.temperature)))
-                for s in seqs]
+        surv = [self._expected_survivals(s) for s in seqs]
         if drafting_pays(self.ensure_cost(), surv)[0]:
             self._skipped = 0
             return "draft"
@@ -576,7 +596,7 @@ class Engine:
             if self._done(s) or not self.spec:
                 continue
             if decision == "skip":
-                s.draft, s.conf_logits, s.ell = None, None, 0
+                s.draft, s.conf_logits, s.last_c, s.ell = None, None, None, 0
                 self.totals["draft_skipped"] += 1
                 continue
             s.ell, s.draft = nxt, ON_DEVICE
@@ -608,7 +628,49 @@ class Engine:
             cal, t_draft = [[(0.0, 0.0)] * G] * S, [0.0] * (S + 1)
         return dict(cal=cal, t_draft=t_draft, fixed_ell=[1 if decision == "probe" else -1] * S)
 
+    # the stepping-aside estimate (README "Speculation that steps aside"): a request's acceptance
+    # per position, its regime's observed rate as a prior worth PRIOR_BLOCKS blocks, then its own
+    # blocks with weight EVIDENCE_DECAY^age. Measured on the embedded model (batch 1, greedy): the
+    # last block's survivals alone, one noisy block, stepped aside on 191 of 290 steps where
+    # drafting every step (fixed-5) was 1.4x faster.
+    PRIOR_BLOCKS = 2.0
+    EVIDENCE_DECAY = 0.75
+
+    def _expected_survivals(self, s: _Seq) -> list[float]:
+        """The prefix survivals a request's next block is expected to reach, from past blocks only
+        (never this step's draws: the decision they feed is independent of them, so lossless)."""
+        prior = self.calib.acceptance_rates(regime(s.req.temperature))
+        if s.ev_trials is None:
+            return expected_survivals(prior)
+        P = self.PRIOR_BLOCKS
+        return expected_survivals([(P * r + h) / (P + n) for r, h, n in zip(prior, s.ev_hits, s.ev_trials)])
+
+    def _observe_block(self, s: _Seq, n_acc: int) -> None:
+        """A verified block enters the request's evidence: position k < ell was reached if drafts
+        < k were accepted, and accepted if n_acc > k; a position admit left unverified counts in
+        expectation under the calibrated head (reached with probability prod c_i over the
+        unverified i < k, accepted with c_k), so a block that admit declined still speaks -- a
+        request whose blocks admit keeps declining stops paying for the draft stages."""
+        G, c = self.gamma, s.last_c
+        if s.ev_trials is None:
+            s.ev_trials, s.ev_hits = [0.0] * G, [0.0] * G
+        lam = self.EVIDENCE_DECAY
+        reach = 1.0
+        for k in range(G):
+            s.ev_trials[k] *= lam
+            s.ev_hits[k] *= lam
+            if k < s.ell:
+                if n_acc >= k:
+                    s.ev_trials[k] += 1.0
+                    s.ev_hits[k] += float(n_acc > k)
+            elif n_acc == s.ell:  # every verified draft accepted: k is reached in expectation
+                s.ev_trials[k] += reach
+                s.ev_hits[k] += reach * c[k]
+                reach *= c[k]
+
     def _account_verify(self, s: _Seq, n_acc: int) -> None:
+        if s.last_c is not None and s.conf_logits is not None and self.adaptive:
+            self._observe_block(s, n_acc)
         if s.ell and s.conf_logits is not None:  # the block's confidences, for online calibration
             self._observed.append((regime(s.req.temperature), s.conf_logits, s.ell, n_acc))
         s.accepted += n_acc
@@ -725,7 +787,7 @@ class Engine:
             if writes:
                 self.runner.dspark(writes, [])
             for s in seqs:
-                s.draft, s.conf_logits, s.ell = None, None, 0
+                s.draft, s.conf_logits, s.last_c, s.ell = None, None, None, 0
             self.totals["draft_skipped"] += len(seqs)
             return
         items = [(s.slot, s.n_cached - 1, s.tokens[s.n_cached]) for s in seqs]
@@ -752,7 +814,7 @@ class Engine:
             if c is not None:
                 ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
             else:  # the head as it is and the forward's steps/s: what the static rounds compute
-                ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward)
+                ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward_for(len(seqs)))
         ell = torch.minimum(ell, room)
         for i, s in enumerate(seqs):
             s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
@@ -767,8 +829,8 @@ class Engine:
         request's `last_surv`: the next step's decision to step aside reads them (a probe that left
         them stale kept a request aside for good). Eager drafting and static rounds alike."""
         c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
-        for s, a in zip(seqs, torch.cumprod(c.double(), 1).tolist()):
-            s.last_surv = a
+        for s, a, ck in zip(seqs, torch.cumprod(c.double(), 1).tolist(), c.tolist()):
+            s.last_surv, s.last_c = a, ck
         return c
 
     def _confidence_logits(self, out, block: acc.DraftBlock) -> torch.Tensor:

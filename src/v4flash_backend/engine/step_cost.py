@@ -67,6 +67,39 @@ def affine_checked(seconds: dict[int, float]) -> tuple[dict[int, float], list[in
     return out, fixed
 
 
+def fit_seq_model(points: dict[tuple[int, int], float]) -> tuple[tuple[float, float, float], list]:
+    """The eager forward's seconds over (R sequences, B tokens) as t = a + s R + b B, least squares
+    over the profiled medians, refitted once without the points more than 30 % off the first fit
+    (a burst of load; at most a third of them). Three numbers from a dozen or more points: one
+    noisy median moves the marginal cost of a row (b, what admission weighs a draft against) far
+    less than it moved a per-R table's slope (measured on the embedded model: a per-R table put
+    40 verify rows of 8 sequences at +84 ms, the engine's own steps at +50-60 ms). Returns
+    ((a, s, b), the points left out); s, b >= 0 (a negative one is refitted as 0)."""
+    keys = sorted(points)
+
+    def solve(use):
+        cols = [0, 1, 2]
+        while True:
+            X = torch.tensor([[1.0, float(r), float(b)] for r, b in use], dtype=torch.float64)[:, cols]
+            y = torch.tensor([points[k] for k in use], dtype=torch.float64)
+            coef = torch.linalg.lstsq(X, y.reshape(-1, 1)).solution.reshape(-1).tolist()
+            full = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, coef):
+                full[c] = v
+            neg = [c for c in cols[1:] if full[c] < 0]
+            if not neg:
+                return full
+            cols = [c for c in cols if c not in neg]
+
+    coef = solve(keys)
+    pred = {k: coef[0] + coef[1] * k[0] + coef[2] * k[1] for k in keys}
+    off = sorted((abs(points[k] / max(pred[k], 1e-9) - 1), k) for k in keys)
+    drop = [k for e, k in off if e > 0.3][-(len(keys) // 3):] if len(keys) >= 6 else []
+    if drop:
+        coef = solve([k for k in keys if k not in drop])
+    return (coef[0], coef[1], coef[2]), drop
+
+
 def round_seconds_by_tokens(sizes: Sequence[int], rows_per_seq: int,
                             seconds_by_seqs: dict[int, float]) -> dict[int, float]:
     """A static runner's step time by B verify tokens: the measured decode round of
@@ -76,10 +109,19 @@ def round_seconds_by_tokens(sizes: Sequence[int], rows_per_seq: int,
 
 
 class StepCost:
-    def __init__(self, forward: SPSTable, draft_seconds: dict[int, float] | None = None, replaced=()):
+    """forward: the forward's steps/s by B tokens (the static rounds' staircase; eager: one
+    sequence). by_seqs (the eager profile): one such table per number of sequences R in the
+    forward, B = R x rows per sequence, since an eager forward's cost is not a function of B alone:
+    its attention runs per sequence (measured on the embedded model at context 60: 8 sequences x 1
+    row cost 1.6x one sequence of 8 rows). t_forward(B, R) interpolates linearly in R between the
+    profiled R."""
+
+    def __init__(self, forward: SPSTable, draft_seconds: dict[int, float] | None = None, replaced=(),
+                 by_seqs: dict[int, SPSTable] | None = None):
         self.forward = forward
         self.draft_seconds = {int(k): float(v) for k, v in (draft_seconds or {}).items()}
         self.replaced = list(replaced)  # sizes the affine check replaced (reported)
+        self.by_seqs = {int(k): v for k, v in sorted((by_seqs or {}).items())}
 
     def t_draft(self, R: int) -> float:
         """Seconds of the draft stages + host drafting work for R requests (floor bucket; 0 for R=0)."""
@@ -93,21 +135,40 @@ class StepCost:
         # past the largest profiled R, scale linearly (never more optimistic than the floor value)
         return self.draft_seconds[k] * (R / k if R > keys[-1] else 1.0)
 
-    def t_forward(self, B) -> torch.Tensor | float:
-        return 1.0 / self.forward.lookup(B)
+    def t_forward(self, B, R: int | None = None) -> torch.Tensor | float:
+        """Seconds of a forward over B tokens of R sequences (R None or no by_seqs: `forward`)."""
+        if R is None or not self.by_seqs:
+            return 1.0 / self.forward.lookup(B)
+        keys = list(self.by_seqs)
+        lo = max([k for k in keys if k <= R], default=keys[0])
+        hi = min([k for k in keys if k >= R], default=keys[-1])
+        t_lo = 1.0 / self.by_seqs[lo].lookup(B)
+        if hi == lo:
+            return t_lo
+        w = (R - lo) / (hi - lo)
+        return t_lo + w * (1.0 / self.by_seqs[hi].lookup(B) - t_lo)
+
+    def forward_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """SPS(B) of a forward over R sequences (no draft stages)."""
+        if not self.by_seqs:
+            return self.forward.lookup
+        return lambda B: 1.0 / self.t_forward(B, R)
 
     def sps_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """SPS(B) of a step that drafts for R requests, for `admit`."""
         td = self.t_draft(R)
         if td == 0:  # the forward's table itself (what the static rounds' admission reads then)
-            return self.forward.lookup
-        return lambda B: 1.0 / (1.0 / self.forward.lookup(B) + td)
+            return self.forward_for(R)
+        return lambda B: 1.0 / (self.t_forward(B, R) + td)
 
     # ---- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "forward": self.forward.to_dict(),
-                "draft_seconds": {str(k): v for k, v in sorted(self.draft_seconds.items())},
-                "replaced": self.replaced}
+        d = {"format": FORMAT, "forward": self.forward.to_dict(),
+             "draft_seconds": {str(k): v for k, v in sorted(self.draft_seconds.items())},
+             "replaced": self.replaced}
+        if self.by_seqs:
+            d["forward_by_seqs"] = {str(k): t.to_dict() for k, t in self.by_seqs.items()}
+        return d
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -122,11 +183,15 @@ class StepCost:
         if d.get("format") != FORMAT:
             raise ValueError(f"{path}: not a step-cost file (format={d.get('format')!r})")
         return cls(SPSTable.from_dict(d["forward"]), {int(k): v for k, v in d["draft_seconds"].items()},
-                   d.get("replaced", ()))
+                   d.get("replaced", ()),
+                   {int(k): SPSTable.from_dict(t) for k, t in d.get("forward_by_seqs", {}).items()})
 
     def __repr__(self) -> str:
+        by = "".join(f", R={r}: " + " ".join(f"{b}:{1e3 / v:.1f}" for b, v in zip(t.sizes, t.sps))
+                     for r, t in self.by_seqs.items())
         return (f"StepCost(forward={self.forward}, "
                 f"draft_ms={ {k: round(v * 1e3, 2) for k, v in self.draft_seconds.items()} }"
+                f"{', forward_ms by B' + by if by else ''}"
                 f"{', replaced ' + str(self.replaced) if self.replaced else ''})")
 
 
@@ -147,11 +212,11 @@ def drafting_pays(cost: StepCost, survivals_per_seq: list[list[float]], extra_to
     if R == 0:
         return False, 0
     G = len(survivals_per_seq[0])
-    plain = R / float(cost.t_forward(R + extra_tokens))
+    plain = R / float(cost.t_forward(R + extra_tokens, R))
     best, best_l = plain, 0
     for ell in range(1, G + 1):
         tokens = sum(1 + sum(a[:ell]) for a in survivals_per_seq)
-        rate = tokens / (float(cost.t_forward(R * (1 + ell) + extra_tokens)) + cost.t_draft(R))
+        rate = tokens / (float(cost.t_forward(R * (1 + ell) + extra_tokens, R)) + cost.t_draft(R))
         if rate > best:
             best, best_l = rate, ell
     return best_l > 0, best_l
