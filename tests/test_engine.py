@@ -210,3 +210,27 @@ def test_eager_host_syncs_are_counted_only_when_asked(tiny_model):
     assert out[False][1]["host_syncs_per_step"] is None
     assert out[True][1]["host_syncs_per_step"] > 10
     assert Settings().count_host_syncs is False
+
+
+def test_ring_writes_of_several_slots_at_once_equal_slot_by_slot(tiny_model):
+    """The runner writes a step's DSpark ring rows for every slot in one call (write_rings); the
+    rings must hold exactly what slot-by-slot write_ring stores, a write longer than the window
+    (only its last `window` rows kept) included."""
+    import copy
+
+    win = tiny_model.cfg.window_size
+    r = LocalRunner(tiny_model, 4, 2 * win + 16)
+    n = [win + 6, 5, 3]
+    g = torch.Generator().manual_seed(1)
+    r.forward(torch.randint(3, 1000, (sum(n),), generator=g), [(i, 0, k) for i, k in enumerate(n)],
+              torch.tensor([sum(n) - 1]), True)
+    offs = [0, n[0], n[0] + n[1]]
+    writes = [(i, torch.arange(o, o + k), torch.arange(k)) for i, (o, k) in enumerate(zip(offs, n))]
+    one_by_one = copy.deepcopy(r.state)
+    d = r.drafter
+    for slot, rows, pos in writes:
+        d.write_ring(one_by_one, slot, d.main_x(r.last_taps[rows]), pos)
+    d.write_rings(r.state, r.last_taps, writes)
+    for k in range(d.n_stages):
+        assert torch.equal(r.state.dspark[k], one_by_one.dspark[k])
+        assert r.state.dspark[k][1].abs().sum() > 0

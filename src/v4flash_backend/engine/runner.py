@@ -95,9 +95,8 @@ class LocalRunner:
         d = self.drafter
         h2d = 8 * (sum(2 * len(r) + 2 for _, r, _ in writes) + 3 * len(items))
         with self._sync_counter() as hs:
-            for slot, rows, positions in writes:
-                if len(rows):
-                    d.write_ring(self.state, slot, d.main_x(self.last_taps[rows]), positions)
+            if writes:
+                d.write_rings(self.state, self.last_taps, writes)
             out = d.draft(self.state, items) if items else None
         self._count(hs.total + (out is not None), h2d)
         return out

@@ -57,6 +57,23 @@ class DSparkDrafter:
             kv = window_kv(W, cfg, f"mtp.{k}.attn", main_x, self.m.ropes[self.stage_layer(k)], positions)
             state.dspark[k][slot, positions % win] = kv
 
+    def write_rings(self, state, taps: torch.Tensor, writes) -> None:
+        """write_ring for several slots at once: writes [(slot, rows of taps, positions)]. One
+        main_x and one main-KV projection per stage over every slot's kept rows (the last `window`
+        of each), then each slot's ring rows (per-row ops: the same values as slot by slot; one
+        call instead of R per stage: 4 % of a batch-8 DSpark step on the embedded model)."""
+        win = self.cfg.window_size
+        keep = [(slot, rows[-win:], pos[-win:]) for slot, rows, pos in writes if len(rows)]
+        if not keep:
+            return
+        mx = self.main_x(taps[torch.cat([r for _, r, _ in keep])])
+        pos = torch.cat([p for _, _, p in keep])
+        n = [len(r) for _, r, _ in keep]
+        for k in range(self.n_stages):
+            kv = window_kv(self.m.W, self.cfg, f"mtp.{k}.attn", mx, self.m.ropes[self.stage_layer(k)], pos)
+            for (slot, _, p), part in zip(keep, kv.split(n)):
+                state.dspark[k][slot, p % win] = part
+
     def _attention(self, k: int, x: torch.Tensor, items, state, positions) -> torch.Tensor:
         W, cfg = self.m.W, self.cfg
         p, hd, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.window_size, self.B
