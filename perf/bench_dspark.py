@@ -5,8 +5,9 @@
 
 Each (batch, temperature) cell runs the three modes in interleaved rounds (plain, dspark, fixed,
 plain, dspark, fixed, ...; the order rotates every round so no mode always runs first), each over
-the same prompts in groups of `batch` concurrent requests, with the engine's own step-cost profile
-(shared by all runs, taken once at start). A mode's figure per round is its total generated
+the same prompts in groups of `batch` concurrent requests through one engine per run (as a
+server has: its online calibration and acceptance window carry over from group to group), with
+the engine's own step-cost profile (shared by all runs, taken once at start). A mode's figure per round is its total generated
 tokens over its wall time; the cell reports the median over rounds and the spread (min-max).
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
@@ -118,18 +119,19 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
     OracleEngine with `reference` (plain greedy outputs per prompt); `outputs` collects the tokens,
     `steps` the decode steps' (measured, modelled) seconds."""
     tokens = seconds = 0.0
-    acc_v = acc_s = 0
+    # one engine for the run, as a server has: its online calibration and acceptance window carry
+    # from one group of requests to the next
+    runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
+    oracle = mode == "oracle"
+    eng = (OracleEngine if oracle else Engine)(runner, Settings(
+        max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
+        dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
+    eng.cost = cost
+    if oracle:
+        eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
+        eng.reference = {f"p{i}": r for i, r in enumerate(reference)}
     for g0 in range(0, len(prompts), batch):
         group = prompts[g0:g0 + batch]
-        runner = LocalRunner(model, len(group) + 1, max(len(p) for p in group) + max_tokens + 16)
-        oracle = mode == "oracle"
-        eng = (OracleEngine if oracle else Engine)(runner, Settings(
-            max_num_seqs=len(group), max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
-            dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
-        eng.cost = cost
-        if oracle:
-            eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
-            eng.reference = {f"p{g0 + i}": reference[g0 + i] for i in range(len(group))}
         done = []
         reqs = [GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=seed + g0 + i,
                                 ignore_eos=True, id=f"p{g0 + i}",
@@ -149,10 +151,8 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
                 steps.append((time.perf_counter() - ts, float(cost.t_forward(B, S)) + cost.t_draft(R)))
         seconds += time.perf_counter() - t0
-        st = eng.stats()
-        tokens += st["output_tokens"]
-        acc_v += st["verify_rows"]
-        acc_s += st["accepted"]
+    st = eng.stats()
+    tokens, acc_v, acc_s = st["output_tokens"], st["verify_rows"], st["accepted"]
     return dict(tok_s=tokens / seconds, tau=(acc_s + acc_v) / acc_v if acc_v else 1.0)
 
 

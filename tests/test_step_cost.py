@@ -299,3 +299,20 @@ def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
     u.ell, u.last_c, u.conf_logits = 2, [0.5, 0.5, 0.8, 0.5, 0.4], torch.zeros(G)
     eng._account_verify(u, 2)
     assert u.ev_trials == pytest.approx([1, 1, 1, 0.8, 0.4]) and u.ev_hits == pytest.approx([1, 1, 0.8, 0.4, 0.16])
+
+
+def test_a_new_engines_prior_is_the_calibrated_head(tiny_model):
+    """With no observed acceptance yet (a new engine's window), a regime's prior is the mean
+    calibrated confidence of its drafted blocks rather than 1: at T = 1 the first blocks' c says at
+    once that drafts are rarely accepted (without it a short request drafted on a prior of 1
+    throughout: DSpark 0.85x plain at batch 1, T = 1)."""
+    from v4flash_backend.engine.engine import _Seq
+
+    eng = _engine(tiny_model, dspark_adaptive=True)
+    G = eng.gamma
+    s = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8, temperature=1.0), slot=0, tokens=[0, 1])
+    assert eng._expected_survivals(s) == [1.0] * G  # nothing known: try drafting
+    logit = float(torch.logit(torch.tensor(0.3)))
+    eng._calibrated([s], torch.full((1, G), logit))  # the golden checkpoint ships no calibration
+    assert eng._expected_survivals(s) == pytest.approx(expected_survivals([0.3] * G), rel=1e-5)
+    assert not drafting_pays(flat_cost(draft_s=0.020), [eng._expected_survivals(s)])[0]  # pays above 0.5

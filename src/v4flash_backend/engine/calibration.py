@@ -289,21 +289,23 @@ class OnlineCalibrator:
                     torch.zeros(0, dtype=torch.long))
         return (torch.stack([o[0] for o in obs]), torch.tensor([o[1] for o in obs]), torch.tensor([o[2] for o in obs]))
 
-    def acceptance_rates(self, reg: str, min_rows: int = 8) -> list[float]:
+    def acceptance_rates(self, reg: str, min_rows: int = 8, fallback: list[float] | None = None) -> list[float]:
         """Observed conditional acceptance per position over the window (blocks that verified k with
-        every earlier draft accepted). A position with fewer than `min_rows` observations takes the
-        previous position's rate (1.0 for the first: no evidence yet means "try drafting")."""
+        every earlier draft accepted). A position with fewer than `min_rows` observations takes
+        fallback[k] when given, else the previous position's rate (1.0 for the first: no evidence
+        yet means "try drafting")."""
         key = (reg, len(self._obs[reg]), self._since[reg])
-        if self._rates_key.get(reg) == key:
-            return self._rates[reg]
-        _, adm, acc = self.observations(reg)
+        if self._rates_key.get(reg) != key:
+            _, adm, acc = self.observations(reg)
+            seen = []
+            for k in range(self.cal.gamma):
+                rows = (adm > k) & (acc >= k)
+                seen.append(float((acc[rows] > k).double().mean()) if int(rows.sum()) >= min_rows else None)
+            self._rates[reg], self._rates_key[reg] = seen, key
         rates, prev = [], 1.0
-        for k in range(self.cal.gamma):
-            rows = (adm > k) & (acc >= k)
-            n = int(rows.sum())
-            prev = float((acc[rows] > k).double().mean()) if n >= min_rows else prev
+        for k, r in enumerate(self._rates[reg]):
+            prev = r if r is not None else (fallback[k] if fallback is not None else prev)
             rates.append(prev)
-        self._rates[reg], self._rates_key[reg] = rates, key
         return rates
 
     def refit(self, reg: str) -> None:

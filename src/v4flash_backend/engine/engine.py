@@ -156,6 +156,7 @@ class Engine:
         self.step_lock = threading.RLock()
         self.cost: StepCost | None = None
         self._skipped = 0  # consecutive steps whose drafts stepped aside
+        self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
         # rejected: refused at submit because the wait queue was full; expired: failed after
         # queue_timeout_s without a slot (both are UNAVAILABLE answers).
         self.totals = dict(requests=0, finished=0, prompt_tokens=0, output_tokens=0, drafted=0, admitted=0,
@@ -635,11 +636,16 @@ class Engine:
     # drafting every step (fixed-5) was 1.4x faster.
     PRIOR_BLOCKS = 2.0
     EVIDENCE_DECAY = 0.75
+    C_MEAN_RATE = 0.1
 
     def _expected_survivals(self, s: _Seq) -> list[float]:
         """The prefix survivals a request's next block is expected to reach, from past blocks only
-        (never this step's draws: the decision they feed is independent of them, so lossless)."""
-        prior = self.calib.acceptance_rates(regime(s.req.temperature))
+        (never this step's draws: the decision they feed is independent of them, so lossless).
+        The prior: the regime's observed acceptance where the window has evidence, else the mean
+        calibrated confidence of the regime's drafted blocks (a new engine: at T = 1 the first
+        blocks' calibrated c ~ 0.3 says at once what 8 observed blocks would), else 1."""
+        reg = regime(s.req.temperature)
+        prior = self.calib.acceptance_rates(reg, fallback=self._c_mean.get(reg))
         if s.ev_trials is None:
             return expected_survivals(prior)
         P = self.PRIOR_BLOCKS
@@ -828,9 +834,12 @@ class Engine:
         Every drafted block's survivals (their cumulative product), a probe's included, become the
         request's `last_surv`: the next step's decision to step aside reads them (a probe that left
         them stale kept a request aside for good). Eager drafting and static rounds alike."""
-        c = self.calib.cal.confidence(conf_logits, [regime(s.req.temperature) for s in seqs])
-        for s, a, ck in zip(seqs, torch.cumprod(c.double(), 1).tolist(), c.tolist()):
+        regs = [regime(s.req.temperature) for s in seqs]
+        c = self.calib.cal.confidence(conf_logits, regs)
+        for s, reg, a, ck in zip(seqs, regs, torch.cumprod(c.double(), 1).tolist(), c.tolist()):
             s.last_surv, s.last_c = a, ck
+            m = self._c_mean.get(reg)  # the regime's mean calibrated confidence (EWMA over blocks)
+            self._c_mean[reg] = ck if m is None else [x + self.C_MEAN_RATE * (y - x) for x, y in zip(m, ck)]
         return c
 
     def _confidence_logits(self, out, block: acc.DraftBlock) -> torch.Tensor:
