@@ -8,7 +8,8 @@ plain, dspark, fixed, ...; the order rotates every round so no mode always runs 
 the same prompts in groups of `batch` concurrent requests through one engine per run (as a
 server has: its online calibration and acceptance window carry over from group to group), with
 the engine's own step-cost profile (shared by all runs, taken once at start). A mode's figure per
-round is its total generated tokens over its wall time; the cell reports the median over rounds and the spread (min-max).
+round is its total generated tokens over its wall time; the cell reports the median over rounds
+and the spread (min-max).
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
