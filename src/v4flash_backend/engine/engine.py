@@ -831,9 +831,12 @@ class Engine:
 
     def _calibrated(self, seqs: list[_Seq], conf_logits: torch.Tensor) -> torch.Tensor:
         """The calibrated confidences [R, G] of the seqs' new blocks (each in its request's regime).
-        Every drafted block's survivals (their cumulative product), a probe's included, become the
-        request's `last_surv`: the next step's decision to step aside reads them (a probe that left
-        them stale kept a request aside for good). Eager drafting and static rounds alike."""
+        Every drafted block's conditionals, a probe's included, become the request's `last_c`: when
+        the block is verified they enter the request's evidence (`_observe_block`), which the
+        decision to step aside reads (a probe that left them stale kept a request aside for good);
+        `last_surv` keeps their cumulative product (the stats and tests read it); the regime's mean
+        calibrated confidence, the prior of a new engine, follows them. Eager drafting and static
+        rounds alike."""
         regs = [regime(s.req.temperature) for s in seqs]
         c = self.calib.cal.confidence(conf_logits, regs)
         for s, reg, a, ck in zip(seqs, regs, torch.cumprod(c.double(), 1).tolist(), c.tolist()):
