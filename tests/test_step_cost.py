@@ -316,3 +316,17 @@ def test_a_new_engines_prior_is_the_calibrated_head(tiny_model):
     eng._calibrated([s], torch.full((1, G), logit))  # the golden checkpoint ships no calibration
     assert eng._expected_survivals(s) == pytest.approx(expected_survivals([0.3] * G), rel=1e-5)
     assert not drafting_pays(flat_cost(draft_s=0.020), [eng._expected_survivals(s)])[0]  # pays above 0.5
+
+
+def test_scalar_lookup_equals_the_tensor_lookup():
+    """SPSTable.lookup of an int (the per-step decision's path, Python floats) returns the same
+    float64 as the tensor path admit uses, bit for bit, in and beyond the profiled sizes."""
+    import random
+
+    rnd = random.Random(1)
+    for _ in range(100):
+        for interp in (True, False):
+            sizes = sorted(rnd.sample(range(1, 80), rnd.randint(1, 8)))
+            t = SPSTable(sizes, [rnd.uniform(1, 60) for _ in sizes], interpolate=interp)
+            bs = list(range(0, 160))
+            assert [t.lookup(b) for b in bs] == t.lookup(torch.tensor(bs)).tolist()

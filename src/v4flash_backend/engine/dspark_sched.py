@@ -14,6 +14,7 @@ only as a negative control for the tests.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -96,7 +97,8 @@ class SPSTable:
 
     def lookup(self, B: Union[int, torch.Tensor]) -> Union[float, torch.Tensor]:
         """SPS for B tokens (int -> float, int tensor -> float64 tensor of the same shape)."""
-        scalar = not isinstance(B, torch.Tensor)
+        if not isinstance(B, torch.Tensor):
+            return self._lookup_scalar(int(B))
         bt = torch.as_tensor(B, dtype=torch.int64)
         idx = (torch.searchsorted(self._sizes_t, bt.reshape(-1), right=True) - 1).clamp(min=0)
         out = self._sps_t[idx]
@@ -107,8 +109,20 @@ class SPSTable:
             w = ((flat_b - b0) / (b1 - b0).clamp_min(1.0)).clamp(0.0, 1.0)
             out = 1.0 / ((1 - w) / self._sps_t[idx] + w / self._sps_t[hi])
         bmax = self.sizes[-1]
-        out = torch.where(flat_b > bmax, self.sps[-1] * bmax / flat_b, out).reshape(bt.shape)
-        return float(out) if scalar else out
+        return torch.where(flat_b > bmax, self.sps[-1] * bmax / flat_b, out).reshape(bt.shape)
+
+    def _lookup_scalar(self, b: int) -> float:
+        """lookup for one int B in Python floats (the same float64 operations as the tensor path;
+        the engine's per-step decision makes a dozen of these, which as tensor ops cost 1 ms a step)."""
+        sizes, sps = self.sizes, self.sps
+        if b > sizes[-1]:
+            return (sps[-1] * sizes[-1]) * (1.0 / b)  # as torch's scalar / tensor: reciprocal, then product
+        i = max(bisect.bisect_right(sizes, b) - 1, 0)
+        if not self.interpolate or len(sizes) == 1:
+            return sps[i]
+        j = min(i + 1, len(sizes) - 1)
+        w = min(max((float(b) - sizes[i]) / max(float(sizes[j] - sizes[i]), 1.0), 0.0), 1.0)
+        return 1.0 / ((1 - w) / sps[i] + w / sps[j])
 
     __call__ = lookup
 
