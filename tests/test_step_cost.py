@@ -232,6 +232,9 @@ def test_seq_model_fit_recovers_the_step_and_leaves_a_burst_out():
     assert (fa, fs, fb) == pytest.approx((a, s, b), rel=1e-6)
     (_, _, fb), _ = fit_seq_model({(R, R * k): 0.05 + 0.01 * R - 1e-4 * R * k for R in (1, 2, 4) for k in (1, 3)})
     assert fb == 0.0
+    # one R profiled (max_num_seqs 1): R's share is the intercept's, the row cost is still found
+    (fa, fs, fb), _ = fit_seq_model({(1, k): 0.045 + 0.0015 * k for k in (1, 2, 4, 6)})
+    assert (fa + fs, fb) == pytest.approx((0.045, 0.0015), rel=1e-6)
 
 
 def test_cost_by_sequences_interpolates_in_R_and_round_trips(tmp_path):

@@ -78,7 +78,9 @@ def fit_seq_model(points: dict[tuple[int, int], float]) -> tuple[tuple[float, fl
     keys = sorted(points)
 
     def solve(use):
-        cols = [0, 1, 2]
+        # a column that does not vary (one R profiled: max_num_seqs 1) is not identifiable: its
+        # share goes to the intercept (lstsq on a rank-deficient design returned nonsense)
+        cols = [0] + [c for c in (1, 2) if len({k[c - 1] for k in use}) > 1]
         while True:
             X = torch.tensor([[1.0, float(r), float(b)] for r, b in use], dtype=torch.float64)[:, cols]
             y = torch.tensor([points[k] for k in use], dtype=torch.float64)
