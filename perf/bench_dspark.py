@@ -177,9 +177,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, "
                          "no stepping aside)")
-    ap.add_argument("--floor-sps", action="store_true",
-                    help="look the profiled step cost up by floor bucket, as before the eager table was "
-                         "interpolated (for comparison)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -197,8 +194,6 @@ def main(argv=None) -> int:
     prof = Engine(LocalRunner(model, max(batches) + 1, 512),
                   Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark", dspark_adaptive=True))
     cost = prof.ensure_cost()
-    if args.floor_sps:
-        cost.forward.interpolate = False
     print(f"step cost: {cost}")
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None

@@ -113,7 +113,6 @@ class _Seq:
     counted: int = 0  # generated tokens the static runner's device-resident counts hold (penalties)
     draft: tuple | str | None = None  # (tokens [G], prev [G], q [G], z [G, V]) or ON_DEVICE
     conf_logits: torch.Tensor | None = None  # [G] the confidence head's logits for a host-drafted block
-    last_surv: list[float] | None = None  # calibrated prefix survivals of its last drafted block
     last_c: list[float] | None = None  # calibrated conditional confidences of the block it verifies next
     # per position k: decayed counts of "draft k reached" (trials) and "draft k accepted" (hits) over
     # its verified blocks, unverified positions counted in expectation (see Engine._observe_block)
@@ -304,7 +303,7 @@ class Engine:
 
     def ensure_cost(self) -> StepCost:
         """The target forward's steps/s by B tokens of R sequences and the draft stages' seconds by
-        R requests, profiled once (interleaved rounds, medians, affine check; step_cost.py) on the
+        R requests, profiled once (interleaved rounds, medians, a fitted model; step_cost.py) on the
         free slots and the scratch slot, or loaded from sps_path. A profile taken while requests
         hold slots covers R up to the free ones (t_forward holds the largest R's table beyond)."""
         if self.cost is not None:
@@ -834,13 +833,12 @@ class Engine:
         Every drafted block's conditionals, a probe's included, become the request's `last_c`: when
         the block is verified they enter the request's evidence (`_observe_block`), which the
         decision to step aside reads (a probe that left them stale kept a request aside for good);
-        `last_surv` keeps their cumulative product (the stats and tests read it); the regime's mean
-        calibrated confidence, the prior of a new engine, follows them. Eager drafting and static
-        rounds alike."""
+        the regime's mean calibrated confidence, the prior of a new engine, follows them. Eager
+        drafting and static rounds alike."""
         regs = [regime(s.req.temperature) for s in seqs]
         c = self.calib.cal.confidence(conf_logits, regs)
-        for s, reg, a, ck in zip(seqs, regs, torch.cumprod(c.double(), 1).tolist(), c.tolist()):
-            s.last_surv, s.last_c = a, ck
+        for s, reg, ck in zip(seqs, regs, c.tolist()):
+            s.last_c = ck
             m = self._c_mean.get(reg)  # the regime's mean calibrated confidence (EWMA over blocks)
             self._c_mean[reg] = ck if m is None else [x + self.C_MEAN_RATE * (y - x) for x, y in zip(m, ck)]
         return c

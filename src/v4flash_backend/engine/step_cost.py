@@ -10,10 +10,9 @@ against plain decoding before any draft is sampled (only past acceptance enters,
 step's drafts is a decision independent of its draws: losslessness is untouched).
 
 Profiling is robust to a shared machine: sizes are measured in interleaved rounds (a burst of
-load hits every size, not one), each size keeps its median, and the forward times are checked
-against an affine model t = a + b * B fitted to the medians (Theil-Sen, robust to a stray point): a
-point off by more than 1.5x either way is replaced by the model, since a forward of B tokens has no reason to cost
-less than a smaller one or jump above the trend.
+load hits every size, not one), each size keeps its median, and the eager forward's medians are
+fitted by one model t = a + s R + b B (`fit_seq_model`, a point more than 30 % off the fit left
+out), so no single median sets the cost of a row.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch
 from .dspark_sched import SPSTable
 
 FORMAT = "v4flash-step-cost"
-OUTLIER = 1.5
 
 
 def interleaved_medians(fn: Callable[[int], object], sizes: Sequence[int], rounds: int,
@@ -43,28 +41,6 @@ def interleaved_medians(fn: Callable[[int], object], sizes: Sequence[int], round
             fn(int(b))
             samples[int(b)].append(clock() - t0)
     return {b: statistics.median(v) for b, v in samples.items()}
-
-
-def affine_checked(seconds: dict[int, float]) -> tuple[dict[int, float], list[int]]:
-    """Replace points off the affine trend a + b * B by more than OUTLIER x (see module doc). The
-    trend is a Theil-Sen fit (median of the pairwise slopes, then the median intercept), which one
-    burst of load cannot drag towards itself the way a least-squares line would."""
-    xs = sorted(seconds)
-    if len(xs) < 3:
-        return dict(seconds), []
-    slopes = [(seconds[b] - seconds[a]) / (b - a) for i, a in enumerate(xs) for b in xs[i + 1:]]
-    slope = statistics.median(slopes)
-    icept = statistics.median(seconds[b] - slope * b for b in xs)
-    out, fixed = {}, []
-    for b in xs:
-        model = max(icept + slope * b, 1e-9)
-        r = seconds[b] / model
-        if r > OUTLIER or r < 1 / OUTLIER:
-            out[b] = model
-            fixed.append(b)
-        else:
-            out[b] = seconds[b]
-    return out, fixed
 
 
 def fit_seq_model(points: dict[tuple[int, int], float]) -> tuple[tuple[float, float, float], list]:
@@ -106,7 +82,7 @@ def round_seconds_by_tokens(sizes: Sequence[int], rows_per_seq: int,
                             seconds_by_seqs: dict[int, float]) -> dict[int, float]:
     """A static runner's step time by B verify tokens: the measured decode round of
     S = ceil(B / rows_per_seq) sequences (which runs its bucket's fixed-shape graphs whatever B is
-    inside it: a staircase, so no affine check)."""
+    inside it: a staircase, so no fitted model)."""
     return {int(b): seconds_by_seqs[-(-int(b) // rows_per_seq)] for b in sizes}
 
 
@@ -122,7 +98,7 @@ class StepCost:
                  by_seqs: dict[int, SPSTable] | None = None):
         self.forward = forward
         self.draft_seconds = {int(k): float(v) for k, v in (draft_seconds or {}).items()}
-        self.replaced = list(replaced)  # sizes the affine check replaced (reported)
+        self.replaced = list(replaced)  # profiled points the fit left out (reported)
         self.by_seqs = {int(k): v for k, v in sorted((by_seqs or {}).items())}
 
     def t_draft(self, R: int) -> float:
