@@ -278,10 +278,12 @@ def test_engine_dspark_sampling_equals_the_target_distribution(model):
     assert st["accept_rate_at"][2] > 0 and st["draft_skipped"] > 0, st
     assert sum(st["calibration_refits"].values()) >= 2, st
     ratios = statistics_of(model, outs)
+    print(f"lossless: correct engine {fmt(ratios)} draft_skipped={st['draft_skipped']}")  # pytest -s shows it
     assert max(ratios.values()) < 1.0, fmt(ratios)
 
 
-# requests per prompt for each mutation: enough for a wide margin, no more. Measured (statistic over
+# requests per prompt for each mutation: enough for a wide margin, no more. Measured (`pytest -s
+# tests/test_engine_lossless.py` prints each; statistic over
 # its bound; the correct engine at N_PASS: A 0.03, S 0.08, TV 0.32-0.58):
 #   conf_on_drafts (100): A 1.99, S 0.76      q_rows_misordered (50): A 0.86, S 1.85
 #   q_from_base (50): S 5.00                  bonus_from_unadmitted (75): S 1.27
@@ -294,4 +296,5 @@ MUTATIONS = [(conf_on_drafts, 100), (q_rows_misordered, 50), (q_from_base, 50), 
 def test_each_wiring_mistake_fails_the_statistic(model, mutation, n):
     outs, _ = engine_samples(model, n, mutate=mutation)
     ratios = statistics_of(model, outs)
+    print(f"lossless: {mutation.__name__} ({n}) {fmt(ratios)}")  # pytest -s shows it
     assert max(ratios.values()) > 1.0, fmt(ratios)
