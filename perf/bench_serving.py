@@ -187,12 +187,16 @@ def closed_loop(backend, n_prompts: int, conc: int) -> tuple[float, int]:
 
 
 def load_prompts(ckpt: Path, n: int):
-    from bench_dspark import PROMPTS, heldout_prompts
+    from bench_dspark import heldout_prompts
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    # held-out corpus prompts for the embedded model (bench_dspark's), else its fixed prompts
-    ids = heldout_prompts(tok, max(n, 6)) or [tok.encode(p).ids for p in PROMPTS]
+    # held-out corpus prompts for the embedded model (bench_dspark's); bench_dspark has no fixed
+    # prompts to fall back on (the import of its PROMPTS failed before any run could start)
+    ids = heldout_prompts(tok, max(n, 6))
+    if ids is None:
+        raise SystemExit("bench_serving: the held-out corpus (the interpreter's standard library sources) "
+                         "is not available to cut prompts from")
     ids = [ids[i % len(ids)] for i in range(n)]
     # the texts go through the preprocessing tokenizer (BOS added); engine paths get the same ids
     texts = [tok.decode(p, skip_special_tokens=True) for p in ids]
