@@ -155,6 +155,7 @@ class Engine:
         self.step_lock = threading.RLock()
         self.cost: StepCost | None = None
         self._skipped = 0  # consecutive steps whose drafts stepped aside
+        self._probe_gap = self.cfg.probe_every  # steps aside before the next probe (see _drafting_decision)
         self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
         # rejected: refused at submit because the wait queue was full; expired: failed after
         # queue_timeout_s without a slot (both are UNAVAILABLE answers).
@@ -352,7 +353,7 @@ class Engine:
             params = SamplingParams.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
             block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
                                      params, self._sampler_for(R))
-            admit(torch.sigmoid(d.confidence(out.hidden, d.markov(block.prev)[1])),
+            admit(torch.sigmoid(d.confidence(out.hidden, d.markov_embed(block.prev))),
                   lambda B: torch.ones_like(B, dtype=torch.float64))
 
         rs = sorted({r for r in (1, 2, 4, 8, 16, 32) if r <= len(slots)} | {len(slots)})
@@ -410,10 +411,16 @@ class Engine:
         surv = [self._expected_survivals(s) for s in seqs]
         if drafting_pays(self.ensure_cost(), surv)[0]:
             self._skipped = 0
+            self._probe_gap = self.cfg.probe_every
             return "draft"
         self._skipped += 1
-        if self._skipped >= self.cfg.probe_every:
+        if self._skipped >= self._probe_gap:
+            # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
+            # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe costs
+            # about half a plain step every probe_every steps, ~3 % of throughput; a workload change
+            # is still seen within probe_max_every steps
             self._skipped = 0
+            self._probe_gap = max(self.cfg.probe_every, min(2 * self._probe_gap, self.cfg.probe_max_every))
             return "probe"
         return "skip"
 
@@ -847,7 +854,7 @@ class Engine:
         """The confidence head on each draft's predecessor (block.prev), never the draft itself: c_k
         must not look at x_k, or admission would depend on the draws it gates (notes/dspark.md 5)."""
         d = self.runner.drafter
-        return d.confidence(out.hidden, d.markov(block.prev)[1])
+        return d.confidence(out.hidden, d.markov_embed(block.prev))
 
     def _block(self, seqs: list[_Seq]) -> acc.DraftBlock:
         """Stack the seqs' draft blocks; a seq without one gets a placeholder verified with ell 0."""

@@ -115,11 +115,14 @@ class DSparkDrafter:
 
     def markov(self, prev_ids: torch.Tensor):
         """(bias [.., V] f32, embedding [.., rank] bf16) for previous tokens."""
-        W = self.m.W
-        table = W[self.last + ".markov_head.embed.weight"]
-        e = table[prev_ids.long()]
+        e = self.markov_embed(prev_ids)
         # replicated on every rank (no vocab gather): the engine samples drafts on rank 0 alone
-        return ops.linear_f32(e, W[self.last + ".markov_head.head.weight"]), e
+        return ops.linear_f32(e, self.m.W[self.last + ".markov_head.head.weight"]), e
+
+    def markov_embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """W1[prev] [.., rank] bf16 alone: what the confidence head reads. The bias's [.., V]
+        projection is not needed there (it had been computed and dropped on every drafted step)."""
+        return self.m.W[self.last + ".markov_head.embed.weight"][prev_ids.long()]
 
     def confidence(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
         """Confidence logits (sigmoid -> c_k) from [hidden ; W1[prev]] (fp32 projection)."""

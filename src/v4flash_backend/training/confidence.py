@@ -52,7 +52,7 @@ class _Recorder(Engine):
 
     def _confidence_logits(self, out, block):
         d = self.runner.drafter
-        emb = d.markov(block.prev)[1]
+        emb = d.markov_embed(block.prev)
         self._feats = torch.cat([out.hidden, emb], dim=-1).float()
         return d.confidence(out.hidden, emb)
 

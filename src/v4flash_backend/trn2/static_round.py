@@ -111,7 +111,7 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
                                 logit_fn=fn)
     live = (n > 0) & ~stopped & (k < budget) & (k < len_left)
     # the head on each draft's predecessor (block.prev), as Engine._confidence_logits
-    conf = d.confidence(hidden, d.markov(block.prev)[1])
+    conf = d.confidence(hidden, d.markov_embed(block.prev))
     if mode == "dspark":
         ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, t_draft)
         ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), ell)
