@@ -75,7 +75,7 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
     prompt = [0, 5, 6, 7, 8]
     plain = [t for e in _engine(tiny_model).run_request(
         GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True)) for t in e.token_ids]
-    eng = _engine(tiny_model, probe_every=8, dspark_adaptive=True)
+    eng = _engine(tiny_model, probe_every=8, probe_max_every=8, dspark_adaptive=True)  # a probe every 8
     eng.cost = flat_cost()  # deterministic decisions (the profile would be taken on a loaded machine)
     calls = []  # (forward computed taps?, ring rows written by the dspark call after it, drafted?)
     fwd, dsp = eng.runner.forward, eng.runner.dspark
@@ -108,6 +108,22 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
     assert len(aside) == st["draft_skipped"] and all(c == [False, 0, False] for c in aside)
     assert st["ring_rows_skipped"] >= len(aside) and calls[0][0] and calls[0][1] == len(prompt)
     assert len(probes) == st["draft_probes"] and all(a == pytest.approx(b) for a, b in probes)
+
+
+def test_probe_gap_doubles_while_speculation_stays_aside_and_resets_when_drafting_pays(tiny_model):
+    eng = _engine(tiny_model, probe_every=4, probe_max_every=16, dspark_adaptive=True)
+    eng.cost = flat_cost()
+    rate = [0.0]
+    eng._expected_survivals = lambda s: [rate[0]] * eng.gamma  # every draft rejected: drafting never pays
+    decide = [eng._drafting_decision([object()]) for _ in range(60)]
+    probes = [i for i, d in enumerate(decide) if d == "probe"]
+    assert set(decide) == {"skip", "probe"}
+    # the 4th decision probes, then every 8th, every 16th, and every 16th again (the cap)
+    assert [b - a for a, b in zip([-1] + probes, probes)] == [4, 8, 16, 16, 16], probes
+    rate[0] = 1.0  # drafts accepted: drafting pays, and the gap is back to probe_every
+    assert eng._drafting_decision([object()]) == "draft"
+    rate[0] = 0.0
+    assert [eng._drafting_decision([object()]) for _ in range(4)] == ["skip"] * 3 + ["probe"]
 
 
 def test_engine_keeps_drafting_where_drafts_are_accepted():

@@ -126,6 +126,10 @@ class Settings:
         "plain-decode graphs at start", scope="engine")
     probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
                                scope="engine", low=1)
+    probe_max_every: int = setting(
+        128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
+        "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
+        scope="engine", low=1)
     calibration_online: bool = setting(
         True, "keep the DSpark confidence head's calibration current from the acceptances observed "
         "(per temperature regime)", scope="engine")
