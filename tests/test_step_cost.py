@@ -210,11 +210,11 @@ def test_static_rounds_step_aside_like_eager_steps(tiny_model):
 
 def test_static_rounds_keep_drafting_like_eager_steps():
     """models/v4flash-tiny's drafts are accepted and it ships a calibration (temperatures and shifts
-    far from identity): both modes keep drafting, admitting by the calibrated survivals (a forward
-    that slows down with B: admission stops where a draft's survival does not pay for its row). The
-    third request samples with min_tokens over its whole output and stop ids the model emits often
-    (16, 265, 289: the target and the drafts put mass on them), so the drafting's min_tokens mask
-    changes q: a draft graph without it commits other tokens than the eager engine."""
+    far from identity): both modes keep drafting (at most one step aside), admitting by the calibrated
+    survivals (a forward that slows down with B: admission stops where a draft's survival does not pay
+    for its row). The third request samples with min_tokens over its whole output and stop ids the
+    model emits often (16, 265, 289: the target and the drafts put mass on them), so the drafting's
+    min_tokens mask changes q: a draft graph without it commits other tokens than the eager engine."""
     from pathlib import Path
 
     from v4flash_backend import ops
@@ -227,7 +227,10 @@ def test_static_rounds_keep_drafting_like_eager_steps():
                                                        ([0, 263, 1180, 11, 437], 16, 0.8, 5,
                                                         dict(min_tokens=16, stop_token_ids=(16, 265, 289)))], STEEP,
                                     checkpoint_dir=str(ckpt))
-    assert st["draft_skipped"] == 0 and st["decode_steps_by_kind"]["draft"] == st["decode_steps"]
+    # the stages retrained on more data (issue 14) step aside once here, at T = 0.8 under the steep
+    # cost; that decision, like every other, is the eager engine's too (checked above)
+    kinds = st["decode_steps_by_kind"]
+    assert st["draft_skipped"] == 0 and kinds["draft"] >= st["decode_steps"] - 1 and kinds["probe"] == 0
     assert 0 < st["admitted"] < st["drafted"] and st["tau"] > 1.5  # admission chose, not all-or-nothing
 
 

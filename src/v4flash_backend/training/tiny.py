@@ -163,9 +163,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--target-steps", type=int, default=360)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--gen-prompts", type=int, default=128, help="on-policy sequences for DSpark training")
+    ap.add_argument("--gen-prompts", type=int, default=384,
+                    help="on-policy sequences for DSpark training (384 over 128: fixed-5 tau on 96 held-out "
+                         "prompts 3.31 -> 3.80, on unseen code 2.63 -> 3.02; issue 14)")
     ap.add_argument("--gen-tokens", type=int, default=160)
-    ap.add_argument("--dspark-steps", type=int, default=300)
+    ap.add_argument("--dspark-steps", type=int, default=600)
     ap.add_argument("--dspark-lr", type=float, default=2e-3)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--eval-tokens", type=int, default=128)
