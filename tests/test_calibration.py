@@ -171,3 +171,52 @@ def test_engine_feeds_the_head_the_predecessors_and_calibrates_online(tiny_model
     assert st["accept_rate_at"][0] < 0.1 and float(cal) < 0.1 < float(raw)
     # once calibrated, admit stops spending verify rows on drafts that are never accepted
     assert st["verify_rows"] > len(admitted) + 10
+
+
+def test_running_acceptance_counts_equal_the_window_recomputed():
+    """acceptance_rates reads running counts (no per-step pass over the window); they must equal the
+    window's blocks recounted, also after the oldest blocks left it (ragged admitted / accepted)."""
+    online = C.OnlineCalibrator(C.Calibration(G), window=40, refit_every=10**9)
+    g = torch.Generator().manual_seed(5)
+    for i in range(150):
+        adm = int(torch.randint(1, G + 1, (1,), generator=g))
+        online.observe("greedy", torch.zeros(G), adm, int(torch.randint(0, adm + 1, (1,), generator=g)))
+        if i in (10, 39, 40, 41, 149):
+            _, admitted, accepted = online.observations("greedy")
+            assert len(admitted) == min(i + 1, 40)
+            want = []
+            for k in range(G):
+                rows = (admitted > k) & (accepted >= k)
+                want.append(float((accepted[rows] > k).double().mean()) if int(rows.sum()) >= 8 else None)
+            got = online.acceptance_rates("greedy", fallback=[-1.0] * G)
+            assert got == [w if w is not None else -1.0 for w in want]
+
+
+def test_local_refit_finds_the_whole_grid_optimum_and_falls_back_when_it_moved():
+    """The online refit searches a neighbourhood of the current calibration: started at the whole
+    grid's optimum it returns that point scoring a 20th of the grid; started far off (the optimum
+    left the neighbourhood: its best lies on the edge) it searches the whole grid and still
+    returns it."""
+    z, acc = synthetic_blocks(2000, 11)
+    adm = torch.full((2000,), G)
+    full = C.fit_conditional(z, adm, acc, G, [C.IDENTITY] * G)
+    assert all(p != C.IDENTITY for p in full)
+    st: dict = {}
+    assert C.fit_conditional(z, adm, acc, G, full, local=True, stats=st) == full
+    whole = len(C.T_GRID) * len(C.B_GRID)
+    assert st["points"] <= G * whole / 20
+    st = {}
+    far = [(float(C.T_GRID[-1]), float(C.B_GRID[0]))] * G
+    assert C.fit_conditional(z, adm, acc, G, far, local=True, stats=st) == full
+    assert st["points"] > G * whole  # every position fell back to the whole grid
+
+
+def test_online_refits_are_local_between_whole_grid_searches():
+    online = C.OnlineCalibrator(C.Calibration(G), window=512, refit_every=128, full_every=4)
+    z, acc = synthetic_blocks(128 * 8, 12)  # every position has >= 24 verified rows at every refit
+    for i in range(len(acc)):
+        online.observe("sampled", z[i], G, int(acc[i]))
+    whole = len(C.T_GRID) * len(C.B_GRID) * G
+    assert online.refits["sampled"] == 8
+    # refits 0 and 4 search the whole grid, the other 6 their neighbourhoods (unless an optimum moved)
+    assert 2 * whole <= online.points_scored["sampled"] < 2 * whole + 6 * whole / 4

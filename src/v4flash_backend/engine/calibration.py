@@ -43,6 +43,9 @@ REGIMES = ("greedy", "sampled")
 # shifts -6 .. 6 in the logit (c from 0.0025 to 0.9975 for a zero logit)
 T_GRID = torch.logspace(-1, 1, 41, dtype=torch.float64)
 B_GRID = torch.linspace(-6, 6, 61, dtype=torch.float64)
+# the online refit's neighbourhood (T steps, b steps) around the current calibration: 9 x 13 points,
+# a factor 1.6 in T and 1.2 in b either way per refit before the whole grid is searched
+LOCAL_RADIUS = (4, 6)
 
 
 def regime(temperature: float) -> str:
@@ -125,7 +128,8 @@ def _scores(c: torch.Tensor, label: torch.Tensor, bins: int, objective: str) -> 
 
 
 def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece",
-              refine: bool = False) -> tuple[float, float]:
+              refine: bool = False, around: tuple[float, float] | None = None,
+              stats: dict | None = None) -> tuple[float, float]:
     """The (T, b) of the grid whose score_fn(c) scores best against label: lowest ECE, or lowest log
     loss (first on ties, scanning T from small to large, b from 0 outwards, so the identity wins a
     flat objective). refine: then search a 4x finer grid around the best point (T within one coarse
@@ -135,7 +139,14 @@ def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece",
     score_fn(t, b) takes t [nT, 1, 1] and b [1, nB, 1] and returns c [nT, nB, N]: the whole grid is
     scored in a few tensor ops (in chunks of T rows, to bound memory), then scanned in order. (The
     online refit scored its 2501 points one by one: 0.6 s a refit, 20 % of a batch-8 DSpark run's
-    time on the embedded model; profiled with cProfile over perf/bench_dspark.py's prompts.)"""
+    time on the embedded model; profiled with cProfile over perf/bench_dspark.py's prompts.)
+
+    around=(T, b): search only the grid points within LOCAL_RADIUS steps of the point nearest to
+    (T, b) -- the online refit's warm start from the current calibration, 117 of the 2501 points --
+    and the whole grid when the best of them lies on the neighbourhood's edge (the optimum moved
+    further: a change of workload). The scan order is the whole grid's, so when the whole grid's
+    best point lies inside the neighbourhood both searches return it. `stats` counts the points
+    scored ("points")."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     n = max(1, label.numel())
@@ -155,8 +166,29 @@ def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece",
                     best, best_p = e, (t, b)
         return best, best_p
 
-    b_order = torch.tensor(sorted(B_GRID.tolist(), key=abs), dtype=torch.float64)
-    best, best_p = scan(T_GRID.tolist(), b_order.tolist(), grid_scores(T_GRID, b_order), math.inf, IDENTITY)
+    def search(ti: range, bi: range):
+        ts = T_GRID[ti.start:ti.stop]
+        bs = torch.tensor(sorted(B_GRID[bi.start:bi.stop].tolist(), key=abs), dtype=torch.float64)
+        if stats is not None:
+            stats["points"] = stats.get("points", 0) + len(ts) * len(bs)
+        return scan(ts.tolist(), bs.tolist(), grid_scores(ts, bs), math.inf, IDENTITY)
+
+    full = (range(0, len(T_GRID)), range(0, len(B_GRID)))
+    if around is None:
+        best, best_p = search(*full)
+    else:
+        rt, rb = LOCAL_RADIUS
+        it = int((T_GRID.log() - math.log(max(float(around[0]), 1e-12))).abs().argmin())
+        ib = int((B_GRID - float(around[1])).abs().argmin())
+        ti = range(max(0, it - rt), min(len(T_GRID), it + rt + 1))
+        bi = range(max(0, ib - rb), min(len(B_GRID), ib + rb + 1))
+        best, best_p = search(ti, bi)
+        jt = int((T_GRID - best_p[0]).abs().argmin())
+        jb = int((B_GRID - best_p[1]).abs().argmin())
+        on_edge = ((jt in (ti.start, ti.stop - 1) and jt not in (0, len(T_GRID) - 1))
+                   or (jb in (bi.start, bi.stop - 1) and jb not in (0, len(B_GRID) - 1)))
+        if on_edge:
+            best, best_p = search(*full)
     if refine:
         t0, b0 = best_p
         t_step = float(T_GRID[1] / T_GRID[0])
@@ -190,17 +222,20 @@ def fit_sts(logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
 
 
 def fit_conditional(logits: torch.Tensor, admitted: torch.Tensor, accepted: torch.Tensor, G: int,
-                    current, min_rows: int = 24, bins: int = 10) -> list[tuple[float, float]]:
+                    current, min_rows: int = 24, bins: int = 10, local: bool = False,
+                    stats: dict | None = None) -> list[tuple[float, float]]:
     """The online fit (see the module docstring): per position, among blocks that verified k with
     every earlier draft accepted, the (T_k, b_k) minimising the ECE of sigmoid(logit_k / T_k + b_k)
-    against [accepted > k]. Positions with fewer than `min_rows` such blocks keep their current values."""
+    against [accepted > k]. Positions with fewer than `min_rows` such blocks keep their current values.
+    local: search around each position's current (T_k, b_k) (`_grid_fit` around=)."""
     params = [tuple(p) for p in current]
     for k in range(G):
         rows = (admitted > k) & (accepted >= k)
         if int(rows.sum()) < min_rows:
             continue
         x = logits[rows, k].double()
-        params[k] = _grid_fit(lambda t, b: torch.sigmoid(x / t + b), (accepted[rows] > k).double(), bins)
+        params[k] = _grid_fit(lambda t, b: torch.sigmoid(x / t + b), (accepted[rows] > k).double(), bins,
+                              around=params[k] if local else None, stats=stats)
     return params
 
 
@@ -256,26 +291,49 @@ class Calibration:
 
 class OnlineCalibrator:
     """Keeps `Calibration` current from the blocks the engine verifies: a bounded window per regime,
-    a refit every `refit_every` observed blocks (O(window x grid) work, a few ms on the tiny model).
-    Observations are kept also when refitting is off (`enabled` False): the offline fit reads them."""
+    a refit every `refit_every` observed blocks. Observations are kept also when refitting is off
+    (`enabled` False): the offline fit reads them.
+
+    Cheap at a full window (`perf/calibration_cost.py`, 2048 blocks of 5 drafts on the 2-core dev
+    machine): a refit of the whole (T, b) grid took 314 ms, every 64 blocks -- 4.9 ms a block, about
+    a third of a batch-8 DSpark step once a server's window is full. A
+    refit therefore searches around the current calibration (`_grid_fit` around=; the whole grid
+    when the optimum left the neighbourhood, and every `full_every`-th refit), and the per-position
+    acceptance the stepping-aside decision reads every step is kept as running counts (it stacked
+    the whole window each step: 1.1 ms)."""
 
     def __init__(self, calibration: Calibration, window: int = 2048, refit_every: int = 64,
-                 enabled: bool = True):
+                 enabled: bool = True, full_every: int = 16):
         self.cal = calibration
         self.enabled = enabled
         self.window = window
         self.refit_every = refit_every
+        self.full_every = full_every
         self._obs = {r: deque(maxlen=window) for r in REGIMES}
         self._since = {r: 0 for r in REGIMES}
         self.refits = {r: 0 for r in REGIMES}
-        self._rates: dict[str, list[float]] = {}
-        self._rates_key: dict[str, tuple] = {}
+        self.points_scored = {r: 0 for r in REGIMES}  # grid points the refits scored (cost, for stats)
+        G = calibration.gamma
+        # per position k over the window: blocks that verified k with every earlier draft accepted,
+        # and those of them that accepted k (the counts acceptance_rates reads)
+        self._trials = {r: [0] * G for r in REGIMES}
+        self._hits = {r: [0] * G for r in REGIMES}
+
+    def _count(self, reg: str, admitted: int, accepted: int, sign: int) -> None:
+        trials, hits = self._trials[reg], self._hits[reg]
+        for k in range(min(admitted, accepted + 1, len(trials))):  # admitted > k and accepted >= k
+            trials[k] += sign
+            hits[k] += sign * (accepted > k)
 
     def observe(self, reg: str, logits: torch.Tensor, admitted: int, accepted: int) -> None:
         """One verified block: the head's logits [G] for it, drafts admitted and accepted."""
         if admitted <= 0:
             return
-        self._obs[reg].append((logits.detach().double().reshape(-1), admitted, accepted))
+        obs = self._obs[reg]
+        if len(obs) == obs.maxlen:  # the oldest block leaves the window
+            self._count(reg, obs[0][1], obs[0][2], -1)
+        obs.append((logits.detach().double().reshape(-1), admitted, accepted))
+        self._count(reg, admitted, accepted, +1)
         self._since[reg] += 1
         if self.enabled and self._since[reg] >= self.refit_every:
             self.refit(reg)
@@ -294,17 +352,9 @@ class OnlineCalibrator:
         every earlier draft accepted). A position with fewer than `min_rows` observations takes
         fallback[k] when given, else the previous position's rate (1.0 for the first: no evidence
         yet means "try drafting")."""
-        key = (reg, len(self._obs[reg]), self._since[reg])
-        if self._rates_key.get(reg) != key:
-            _, adm, acc = self.observations(reg)
-            seen = []
-            for k in range(self.cal.gamma):
-                rows = (adm > k) & (acc >= k)
-                seen.append(float((acc[rows] > k).double().mean()) if int(rows.sum()) >= min_rows else None)
-            self._rates[reg], self._rates_key[reg] = seen, key
         rates, prev = [], 1.0
-        for k, r in enumerate(self._rates[reg]):
-            prev = r if r is not None else (fallback[k] if fallback is not None else prev)
+        for k, (n, h) in enumerate(zip(self._trials[reg], self._hits[reg])):
+            prev = h / n if n >= min_rows else (fallback[k] if fallback is not None else prev)
             rates.append(prev)
         return rates
 
@@ -313,9 +363,14 @@ class OnlineCalibrator:
         logits, adm, acc = self.observations(reg)
         if not len(adm):
             return
-        self.cal.params[reg] = fit_conditional(logits, adm, acc, self.cal.gamma, self.cal.of(reg))
+        # the first refit and every full_every-th search the whole grid: a local optimum is left there
+        local = self.refits[reg] % max(1, self.full_every) != 0
+        st: dict = {}
+        self.cal.params[reg] = fit_conditional(logits, adm, acc, self.cal.gamma, self.cal.of(reg), local=local,
+                                               stats=st)
         self.refits[reg] += 1
+        self.points_scored[reg] += st.get("points", 0)
 
     def stats(self) -> dict:
         return {"calibration": {r: [[round(t, 4), round(b, 4)] for t, b in self.cal.of(r)] for r in REGIMES},
-                "calibration_refits": dict(self.refits)}
+                "calibration_refits": dict(self.refits), "calibration_points_scored": dict(self.points_scored)}
