@@ -3,13 +3,15 @@
     .venv/bin/python perf/bench_dspark.py [--checkpoint DIR] [--prompts FILE] [--rounds 3]
                                           [--batches 1,8] [--temps 0,1] [--max-tokens 48] [--oracle]
 
-Each (batch, temperature) cell runs the three modes in interleaved rounds (plain, dspark, fixed,
-plain, dspark, fixed, ...; the order rotates every round so no mode always runs first), each over
-the same prompts in groups of `batch` concurrent requests through one engine per run (as a
-server has: its online calibration and acceptance window carry over from group to group), with
-the engine's own step-cost profile (shared by all runs, taken once at start). A mode's figure per
-round is its total generated tokens over its wall time; the cell reports the median over rounds
-and the spread (min-max).
+Each (batch, temperature) cell runs the three modes in rounds. In a round every mode runs the same
+prompts in groups of `batch` concurrent requests through its own engine (as a server has: its
+online calibration and acceptance window carry over from group to group), and the modes are
+interleaved group by group: each group runs in plain, dspark and fixed before the next group
+starts, in an order that rotates with the group and the round. A burst of load on the shared
+machine then hits the modes alike (interleaving whole runs of 15-45 s let one burst land on one
+mode: batch 1, T = 1 read 0.88x and 0.97x plain in two sessions). All engines share the step-cost
+profile taken once at start. A mode's figure per round is its total generated tokens over the
+wall time of its groups; the cell reports the median over rounds and the spread (min-max).
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
@@ -113,48 +115,85 @@ class OracleEngine(Engine):
         return logits
 
 
-def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
-        adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
-        steps: list | None = None) -> dict:
-    """All prompts in groups of `batch` concurrent requests; totals over the groups. mode "oracle":
-    OracleEngine with `reference` (plain greedy outputs per prompt); `outputs` collects the tokens,
-    `steps` the decode steps' (measured, modelled) seconds."""
-    tokens = seconds = 0.0
-    # one engine for the run, as a server has: its online calibration and acceptance window carry
-    # from one group of requests to the next
-    runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
-    oracle = mode == "oracle"
-    eng = (OracleEngine if oracle else Engine)(runner, Settings(
-        max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
-        dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
-    eng.cost = cost
-    if oracle:
-        eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
-        eng.reference = {f"p{i}": r for i, r in enumerate(reference)}
-    for g0 in range(0, len(prompts), batch):
-        group = prompts[g0:g0 + batch]
-        done = []
-        reqs = [GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temp, seed=seed + g0 + i,
+class ModeRun:
+    """One mode's run over all prompts in groups of `batch` concurrent requests, through one engine
+    (as a server has: its online calibration and acceptance window carry from one group of
+    requests to the next); `group(g0)` runs one group, so several modes' runs can be interleaved
+    group by group. mode "oracle": OracleEngine with `reference` (plain greedy outputs per prompt);
+    `outputs` collects the tokens, `steps` the decode steps' (measured, modelled) seconds."""
+
+    def __init__(self, model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
+                 adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
+                 steps: list | None = None):
+        self.mode, self.prompts, self.batch, self.max_tokens, self.temp, self.seed = (
+            mode, prompts, batch, max_tokens, temp, seed)
+        self.cost, self.outputs, self.steps = cost, outputs, steps
+        self.seconds = 0.0
+        runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
+        oracle = mode == "oracle"
+        self.eng = eng = (OracleEngine if oracle else Engine)(runner, Settings(
+            max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
+            dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
+        eng.cost = cost
+        if oracle:
+            eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
+            eng.reference = {f"p{i}": r for i, r in enumerate(reference)}
+
+    def groups(self) -> range:
+        return range(0, len(self.prompts), self.batch)
+
+    def group(self, g0: int) -> None:
+        eng, outputs, steps, cost = self.eng, self.outputs, self.steps, self.cost
+        done: list = []
+        reqs = [GenerateRequest(prompt=p, max_tokens=self.max_tokens, temperature=self.temp, seed=self.seed + g0 + i,
                                 ignore_eos=True, id=f"p{g0 + i}",
                                 callback=lambda e, d=done, j=g0 + i: (outputs is not None and outputs[j].extend(
                                     e.token_ids), e.final and d.append(1)))
-                for i, p in enumerate(group)]
+                for i, p in enumerate(self.prompts[g0:g0 + self.batch])]
         t0 = time.perf_counter()
         for r in reqs:
             eng.submit(r)
         while len(done) < len(reqs):
             # decode-only steps: (measured seconds, the step-cost model's t_forward(B, S) + t_draft(R))
-            dec = eng.running and not any(s.prefilling for s in eng.running) and mode != "off"
+            dec = eng.running and not any(s.prefilling for s in eng.running) and self.mode != "off"
             B, S = sum(1 + s.ell for s in eng.running), len(eng.running)
             drafted0, ts = eng.totals["drafted"], time.perf_counter()
             eng.step()
             if dec and steps is not None:
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
                 steps.append((time.perf_counter() - ts, float(cost.t_forward(B, S)) + cost.t_draft(R)))
-        seconds += time.perf_counter() - t0
-    st = eng.stats()
-    tokens, acc_v, acc_s = st["output_tokens"], st["verify_rows"], st["accepted"]
-    return dict(tok_s=tokens / seconds, tau=(acc_s + acc_v) / acc_v if acc_v else 1.0)
+        self.seconds += time.perf_counter() - t0
+
+    def result(self) -> dict:
+        st = self.eng.stats()
+        tokens, acc_v, acc_s = st["output_tokens"], st["verify_rows"], st["accepted"]
+        return dict(tok_s=tokens / self.seconds, tau=(acc_s + acc_v) / acc_v if acc_v else 1.0)
+
+
+def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
+        adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
+        steps: list | None = None) -> dict:
+    """One mode's whole run (ModeRun's groups back to back): {tok_s, tau}."""
+    mr = ModeRun(model, mode, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference, outputs, steps)
+    for g0 in mr.groups():
+        mr.group(g0)
+    return mr.result()
+
+
+def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
+                      rnd: int, adaptive: bool = True, reference: list | None = None,
+                      outputs: dict | None = None, steps: dict | None = None) -> dict:
+    """One round of every mode, interleaved group by group (each group of prompts runs in every mode
+    before the next group starts; the order of the modes rotates with the group and the round), so
+    a burst of load on the shared machine hits the modes alike instead of one mode's whole run.
+    Returns {mode: {tok_s, tau}}."""
+    runs = {m: ModeRun(model, m, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference,
+                       (outputs or {}).get(m), (steps or {}).get(m)) for m in modes}
+    for gi, g0 in enumerate(range(0, len(prompts), batch)):
+        k = (rnd + gi) % len(modes)
+        for m in modes[k:] + modes[:k]:
+            runs[m].group(g0)
+    return {m: r.result() for m, r in runs.items()}
 
 
 def fmt(values: list[float]) -> str:
@@ -207,13 +246,13 @@ def main(argv=None) -> int:
             res = {m: [] for m in modes}
             steps: dict[str, list] = {}
             for rnd in range(args.rounds):
-                order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
-                for m in order:
-                    outs = [[] for _ in prompts] if m == "oracle" else None
-                    res[m].append(run(model, m, prompts, b, args.max_tokens, t, cost, 1000 * rnd, args.adaptive,
-                                      reference, outs, steps.setdefault(m, [])))
-                    if outs is not None and outs != reference:
-                        raise SystemExit("oracle run's greedy output differs from plain decoding")
+                outs = {"oracle": [[] for _ in prompts]} if "oracle" in modes else {}
+                got = interleaved_round(model, modes, prompts, b, args.max_tokens, t, cost, 1000 * rnd, rnd,
+                                        args.adaptive, reference, outs, {m: steps.setdefault(m, []) for m in modes})
+                for m in modes:
+                    res[m].append(got[m])
+                if outs and outs["oracle"] != reference:
+                    raise SystemExit("oracle run's greedy output differs from plain decoding")
             med = {m: statistics.median(r["tok_s"] for r in res[m]) for m in MODES}
             tau = statistics.median(r["tau"] for r in res["dspark"])
             for m in modes:
