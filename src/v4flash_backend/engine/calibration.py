@@ -295,8 +295,8 @@ class OnlineCalibrator:
     (`enabled` False): the offline fit reads them.
 
     Cheap at a full window (`perf/calibration_cost.py`, 2048 blocks of 5 drafts on the 2-core dev
-    machine): a refit of the whole (T, b) grid took 314 ms, every 64 blocks -- 4.9 ms a block, about
-    a third of a batch-8 DSpark step once a server's window is full. A
+    machine): a refit of the whole (T, b) grid took 190-310 ms, every 64 blocks -- 3-5 ms a block,
+    about a third of a batch-8 DSpark step once a server's window is full. A
     refit therefore searches around the current calibration (`_grid_fit` around=; the whole grid
     when the optimum left the neighbourhood, and every `full_every`-th refit), and the per-position
     acceptance the stepping-aside decision reads every step is kept as running counts (it stacked
