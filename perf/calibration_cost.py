@@ -80,13 +80,14 @@ def main(argv=None) -> int:
     print(f"window {a.window} blocks of {a.gamma} drafts; {a.rounds} interleaved rounds")
     for k, v in times.items():
         print(f"calcost: op={k} ms={med[k]:.3f} [{min(v):.3f}-{max(v):.3f}]")
-    every, full_every = 64, 16
+    dflt = C.OnlineCalibrator(C.Calibration(a.gamma))  # the engine's refit schedule, not a copy of it
+    every, full_every = dflt.refit_every, dflt.full_every
     before = med["refit_full_grid"] / every + med["rates_stacked_window"]
     after = ((med["refit_full_grid"] + (full_every - 1) * med["refit_local"]) / full_every / every
              + med["rates_running_counts"])
     # per block at batch 1 (one block and one estimate a step); at batch B the refit share is B times
     print(f"calcost: per_block_ms before={before:.3f} after={after:.3f}")
-    rows = (adm > 0) & (acc >= 0)
+    rows = adm > 0  # position 0 is verified in every admitted block
     lab = (acc[rows] > 0).double()
     local = C.fit_conditional(logits, adm, acc, a.gamma, [(full[0][0] * 1.3, full[0][1] + 0.4)] * a.gamma, local=True)
     e_full = C.ece(C.scaled(logits[rows, :1], full[:1]).reshape(-1), lab)
