@@ -75,14 +75,22 @@ def test_state_bounds_are_enforced(tiny_model):
         raise AssertionError("a sequence longer than the state must be refused")
 
 
-def test_dense_experts_equal_the_routed_loop(tiny_model, monkeypatch):
-    """Every local expert on every row with routing weight 0 where not routed (the static-graph
-    form) gives bit-identical logits to running only the routed experts."""
+def test_batched_experts_equal_the_routed_loop(tiny_model, monkeypatch):
+    """The eager forward's two batched MoE forms -- every local expert on every row with routing
+    weight 0 where not routed (dense), and each expert on its own routed rows padded to the busiest
+    expert's count (grouped) -- give bit-identical logits to running only the routed experts one
+    expert at a time; a prompt (40 rows) and a single-row step both."""
     from v4flash_backend.model import ffn as model_ffn
 
     seq = _seq(40, 7)
-    outs = []
-    for limit in (0, 10**9):
-        monkeypatch.setattr(model_ffn, "DENSE_MOE_MAX", limit)
-        outs.append(_full(tiny_model, seq))
-    assert torch.equal(outs[0], outs[1])
+    outs = {}
+    for form, batched_max, dense_min in (("loop", 0, 0), ("dense", 10**9, 10**9), ("grouped", 10**9, 0)):
+        monkeypatch.setattr(model_ffn, "BATCHED_MOE_MAX", batched_max)
+        monkeypatch.setattr(model_ffn, "DENSE_MOE_MIN", dense_min)
+        st = ModelState(tiny_model.cfg, 1, 64)
+        full = tiny_model.forward(st, seq[:-1], make_segments([(0, 0, 39)]), logits_rows="all").logits
+        step = tiny_model.forward(st, seq[-1:], make_segments([(0, 39, 1)]), logits_rows="all").logits
+        outs[form] = (full, step)
+    for form in ("dense", "grouped"):
+        assert torch.equal(outs[form][0], outs["loop"][0]), form
+        assert torch.equal(outs[form][1], outs["loop"][1]), form

@@ -50,10 +50,58 @@ def local_experts(W: dict, p: str) -> list[int]:
     return meta[p]
 
 
-# rows x local experts up to which the dense form (every local expert on every row, routing
-# weight 0 where not routed) replaces the per-expert loop: a few batched GEMMs instead of a Python
-# loop, and a cost independent of the routing (what a static decode graph needs as well)
-DENSE_MOE_MAX = 1024
+# rows x local experts up to which the eager exact forward runs the dense form (every local expert
+# on every row, routing weight 0 where not routed); above it, the grouped form (each expert on its
+# own routed rows, padded to the busiest expert's count). Both are a few batched GEMMs instead of a
+# per-expert Python loop; the dense one needs no index building, which pays only at a handful of
+# rows (the static decode graph has its own dense form: trn2/static_step.moe_dense)
+DENSE_MOE_MIN = 16
+# and up to which either batched form runs; the loop beyond (measured on the embedded model: at 128
+# rows x 8 experts the loop is as fast as the grouped form, whose padding grows with the rows)
+BATCHED_MOE_MAX = 1024
+
+
+def _experts_ffn(xg, rw, stacks, limit):
+    """The stacked experts on xg [E, M, D] with routing weights rw [E, M, 1] -> [E, M, D] bf16."""
+    w1, s1, w3, s3, w2, s2 = stacks
+
+    def lin(v, w, s):
+        return ops.linear_fp4(v, w, s) if w.dtype == torch.int8 else ops.linear_fp8(v, w, s)
+
+    return lin(ops.swiglu(lin(xg, w1, s1), lin(xg, w3, s3), rw, limit), w2, s2)
+
+
+def _dense_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
+    """Every local expert on every row: [E, T, D], rows not routed to an expert exactly zero."""
+    route_w = torch.zeros(x.shape[0], n_exp + 1, dtype=torch.float32)
+    route_w.scatter_(1, torch.where(local >= 0, local, n_exp), weights)  # column n_exp: other ranks' experts
+    xe = x.unsqueeze(0).expand(n_exp, -1, -1)
+    return _experts_ffn(xe, route_w[:, :n_exp].T.unsqueeze(-1), stacks, limit)
+
+
+def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
+    """Each local expert on its own routed rows, one batched call padded to the busiest expert's
+    count M (padding rows carry weight 0): E x M rows instead of the dense form's E x T (top-k of E:
+    about k / E of them), scattered back to [E, T, D] with zeros where a row was not routed."""
+    T, A = local.shape
+    e = local.flatten()
+    t = torch.arange(T).repeat_interleave(A)
+    w = weights.flatten()
+    keep = e >= 0
+    e, t, w = e[keep], t[keep], w[keep]
+    order = torch.argsort(e * T + t)  # by expert, then row
+    e, t, w = e[order], t[order], w[order]
+    counts = torch.bincount(e, minlength=n_exp)
+    M = max(1, int(counts.max()))
+    slot = torch.arange(len(e)) - (torch.cumsum(counts, 0) - counts)[e]
+    idx = torch.zeros(n_exp, M, dtype=torch.long)
+    rw = torch.zeros(n_exp, M, 1, dtype=torch.float32)
+    idx[e, slot] = t
+    rw[e, slot, 0] = w
+    out = _experts_ffn(x[idx], rw, stacks, limit)
+    full = torch.zeros(n_exp, T, x.shape[-1], dtype=out.dtype)
+    full[e, t] = out[e, slot]
+    return full
 
 
 def stacked_experts(W: dict, p: str) -> list:
@@ -85,22 +133,19 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     experts = local_experts(W, p)
     y = torch.zeros(x.shape, dtype=torch.float32)
     if (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train") and len(experts) > 1
-            and x.shape[0] * len(experts) <= DENSE_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
-        # exact numerics make each (row, expert) result independent of the batch, so the dense
-        # form equals the loop bit for bit; a zero routing weight gives an exact zero output
+            and x.shape[0] * len(experts) <= BATCHED_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
+        # exact numerics make each (row, expert) result independent of which rows share the call,
+        # so these batched forms equal the per-expert loop bit for bit (the carry is still added in
+        # expert-id order); a zero routing weight gives an exact zero output
         w1, s1, w3, s3, w2, s2 = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
                           cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long)
         col[torch.tensor(experts)] = torch.arange(len(experts))
-        route_w = torch.zeros(x.shape[0], len(experts), dtype=torch.float32)
         local = col[ids]
-        hit = local >= 0
-        route_w[torch.nonzero(hit)[:, 0], local[hit]] = weights[hit]
-        xe = x.unsqueeze(0).expand(len(experts), -1, -1)
-        h = ops.swiglu(ops.linear_fp4(xe, w1, s1) if w1.dtype == torch.int8 else ops.linear_fp8(xe, w1, s1),
-                       ops.linear_fp4(xe, w3, s3) if w3.dtype == torch.int8 else ops.linear_fp8(xe, w3, s3),
-                       route_w.T.unsqueeze(-1), cfg.swiglu_limit)
-        out = ops.linear_fp4(h, w2, s2) if w2.dtype == torch.int8 else ops.linear_fp8(h, w2, s2)
+        if x.shape[0] * len(experts) <= DENSE_MOE_MIN:
+            out = _dense_experts(x, local, weights, len(experts), (w1, s1, w3, s3, w2, s2), cfg.swiglu_limit)
+        else:
+            out = _grouped_experts(x, local, weights, len(experts), (w1, s1, w3, s3, w2, s2), cfg.swiglu_limit)
         for e in range(len(experts)):
             y += out[e]
     else:
