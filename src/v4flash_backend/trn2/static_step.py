@@ -41,6 +41,7 @@ from v4flash_backend.engine.device_boundary import (  # noqa: F401  (re-exported
 )
 from v4flash_backend.model import attention as A
 from v4flash_backend.model.attention import grouped_out
+from v4flash_backend.model.dspark import block_slots
 from v4flash_backend.model.ffn import engram, expert, local_experts, route
 from v4flash_backend.model.rope import Rope
 from v4flash_backend.model.transformer import stream_mean
@@ -415,13 +416,8 @@ class StaticDecoder:
         _, q = A.query(W, cfg, p, x, rope, flat)
         kv = self._stage_kv(k, x, flat)
         bank = torch.cat([st.dspark[k][slot], kv.view(S, B, hd)], dim=1)  # [S, win + B, hd]
-        # the eager slots: filled ring slots 0..m-1 in slot order, then the whole block (no causal
-        # mask), then padding -1
-        filled = (last + 1).clamp(0, win)[:, None]
-        j = torch.arange(win + B)
-        idx = torch.where(j < filled, j, torch.where(j < filled + B, win + j - filled, -1))
         o = ops.sparse_attn(q.view(S, B, -1, hd), bank, W[p + ".attn_sink"],
-                            idx[:, None, :].expand(S, B, -1).int(), hd ** -0.5)
+                            block_slots(last, win, B)[:, None, :].expand(S, B, -1), hd ** -0.5)
         o = rope.apply(o.flatten(0, 1), flat, inverse=True)
         return grouped_out(W, p, cfg, o, self.m.comm)
 
