@@ -53,9 +53,10 @@ def local_experts(W: dict, p: str) -> list[int]:
 # rows x local experts up to which the eager exact forward runs the dense form (every local expert
 # on every row, routing weight 0 where not routed); above it, the grouped form (each expert on its
 # own routed rows, padded to the busiest expert's count). Both are a few batched GEMMs instead of a
-# per-expert Python loop; the dense one needs no index building, which pays only at a handful of
-# rows (the static decode graph has its own dense form: trn2/static_step.moe_dense)
-DENSE_MOE_MIN = 16
+# per-expert Python loop; the dense one needs no index building, which pays up to about 64 (1 CPU
+# thread, the embedded model: a plain decode row of 8 experts, a batch-1 or -2 draft block of the
+# stages' 4). The static decode graph has its own dense form: trn2/static_step.moe_dense
+DENSE_MOE_MIN = 64
 # and up to which either batched form runs; the loop beyond (measured on the embedded model: at 128
 # rows x 8 experts the loop is as fast as the grouped form, whose padding grows with the rows)
 BATCHED_MOE_MAX = 1024
