@@ -138,15 +138,13 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         # exact numerics make each (row, expert) result independent of which rows share the call,
         # so these batched forms equal the per-expert loop bit for bit (the carry is still added in
         # expert-id order); a zero routing weight gives an exact zero output
-        w1, s1, w3, s3, w2, s2 = stacked_experts(W, p)
+        stacks = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
                           cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long)
         col[torch.tensor(experts)] = torch.arange(len(experts))
         local = col[ids]
-        if x.shape[0] * len(experts) <= DENSE_MOE_MIN:
-            out = _dense_experts(x, local, weights, len(experts), (w1, s1, w3, s3, w2, s2), cfg.swiglu_limit)
-        else:
-            out = _grouped_experts(x, local, weights, len(experts), (w1, s1, w3, s3, w2, s2), cfg.swiglu_limit)
+        form = _dense_experts if x.shape[0] * len(experts) <= DENSE_MOE_MIN else _grouped_experts
+        out = form(x, local, weights, len(experts), stacks, cfg.swiglu_limit)
         for e in range(len(experts)):
             y += out[e]
     else:
