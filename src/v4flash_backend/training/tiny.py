@@ -163,12 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--target-steps", type=int, default=360)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--gen-prompts", type=int, default=768,
+    ap.add_argument("--gen-prompts", type=int, default=1536,
                     help="on-policy sequences for DSpark training (fixed-5 tau by perf/draft_acceptance.py on 96 "
                          "held-out prompts / unseen code: 128 sequences x 300 steps 3.31 / 2.63, 384 x 600 "
-                         "3.80 / 3.02, 768 x 900 4.04 / 3.86; issue 14)")
+                         "3.80 / 3.02, 768 x 900 4.04 / 3.86, 1536 x 1200 4.17 / 3.92; issue 14)")
     ap.add_argument("--gen-tokens", type=int, default=160)
-    ap.add_argument("--dspark-steps", type=int, default=900)
+    ap.add_argument("--dspark-steps", type=int, default=1200)
     ap.add_argument("--dspark-lr", type=float, default=2e-3)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--eval-tokens", type=int, default=128)
