@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from v4flash_backend import ops
+from v4flash_backend.engine.precision import loop_dtype
 from v4flash_backend.engine.runner import LocalRunner
 
 from .static_step import (
@@ -317,14 +318,15 @@ class StaticGraphs:
     def round_padding(self, b: Bucket, stop_width: int, processed: bool = False) -> dict:
         """Inputs of a round of padding sequences only (scratch slot, no valid row): it changes no
         real slot's state, so it compiles the round graphs at start."""
-        S, z = b.seqs, torch.zeros(b.seqs, dtype=torch.long)
-        proc = dict(n_out=z.clone(), min_tokens=z.clone(), frequency=torch.zeros(S, dtype=torch.float64),
-                    presence=torch.zeros(S, dtype=torch.float64)) if processed else {}
-        return proc | dict(slot=torch.full((S,), self.decoder.scratch, dtype=torch.long), start=z, n=z.clone(),
-                    pending=z.clone(), temperature=torch.zeros(S, dtype=torch.float64), top_k=z.clone(),
-                    top_p=torch.ones(S, dtype=torch.float64), seed=z.clone(), rnd=z.clone(), budget=z.clone(),
-                    len_left=z.clone(), stop_ids=torch.full((S, stop_width), -1, dtype=torch.long),
-                    sps_t=pad_sps(None), **adaptive_inputs(S, self.decoder.max_rows - 1))
+        S, z, fd = b.seqs, torch.zeros(b.seqs, dtype=torch.long), loop_dtype()
+        proc = dict(n_out=z.clone(), min_tokens=z.clone(), frequency=torch.zeros(S, dtype=fd),
+                    presence=torch.zeros(S, dtype=fd)) if processed else {}
+        x = proc | dict(slot=torch.full((S,), self.decoder.scratch, dtype=torch.long), start=z, n=z.clone(),
+                        pending=z.clone(), temperature=torch.zeros(S, dtype=fd), top_k=z.clone(),
+                        top_p=torch.ones(S, dtype=fd), seed=z.clone(), rnd=z.clone(), budget=z.clone(),
+                        len_left=z.clone(), stop_ids=torch.full((S, stop_width), -1, dtype=torch.long),
+                        sps_t=pad_sps(None), **adaptive_inputs(S, self.decoder.max_rows - 1))
+        return to_device(x, self.decoder.device)
 
     def warm_up(self, progress=sys.stderr, mode: str | None = None, fixed_len: int = 0,
                 stop_width: int = 8, processed: bool = True) -> float:
@@ -369,29 +371,38 @@ SPS_WIDTH = 16  # SPS table entries a round takes (padded with its last entry: s
 
 def adaptive_inputs(S: int, G: int, plan: dict | None = None) -> dict:
     """The draft graph's dspark_adaptive inputs for a bucket of S rows (static_round.draft_round):
-    t_draft [S+1] f64 (draft seconds by live rows; zeros: the forward's table alone), cal [S, G, 2]
-    f64 ((T_k, b_k) per row; T = 0: the raw head), fixed_ell [S] (-1: admission; a probe: 1). From
-    a round plan's `t_draft` / `cal` / `fixed_ell` (padding rows: the last value, the raw head, -1)."""
+    t_draft [S+1] `loop_dtype()` (draft seconds by live rows; zeros: the forward's table alone), cal
+    [S, G, 2] `loop_dtype()` ((T_k, b_k) per row; T = 0: the raw head), fixed_ell [S] (-1: admission;
+    a probe: 1). From a round plan's `t_draft` / `cal` / `fixed_ell` (padding rows: the last value,
+    the raw head, -1). Host tensors: `round_inputs` / `round_padding` move the plan to the device."""
     plan = plan or {}
+    fd = loop_dtype()
     td = list(plan.get("t_draft") or [0.0])
     td = td[:S + 1] + [td[-1]] * (S + 1 - len(td))
-    cal = torch.zeros(S, G, 2, dtype=torch.float64)
+    cal = torch.zeros(S, G, 2, dtype=fd)
     if plan.get("cal") is not None and len(plan["cal"]):
-        c = torch.as_tensor(plan["cal"], dtype=torch.float64).reshape(-1, G, 2)
+        c = torch.as_tensor(plan["cal"], dtype=fd).reshape(-1, G, 2)
         cal[:c.shape[0]] = c
     fe = list(plan.get("fixed_ell") or [])
-    return dict(t_draft=torch.tensor(td, dtype=torch.float64), cal=cal,
+    return dict(t_draft=torch.tensor(td, dtype=fd), cal=cal,
                 fixed_ell=torch.tensor(fe + [-1] * (S - len(fe)), dtype=torch.long))
 
 
 def pad_sps(sps_t: torch.Tensor | None) -> torch.Tensor:
     """An SPS table [2, n] padded to [2, SPS_WIDTH] (a fixed graph input shape); None: a dummy."""
+    fd = loop_dtype()
     if sps_t is None:
-        return torch.ones(2, SPS_WIDTH, dtype=torch.float64)
+        return torch.ones(2, SPS_WIDTH, dtype=fd)
     if sps_t.shape[1] > SPS_WIDTH:
         raise ValueError(f"an SPS table of {sps_t.shape[1]} sizes (at most {SPS_WIDTH})")
+    sps_t = sps_t.to(fd)
     pad = sps_t[:, -1:].expand(2, SPS_WIDTH - sps_t.shape[1])
-    return torch.cat([sps_t.double(), pad], 1)
+    return torch.cat([sps_t, pad], 1)
+
+
+def to_device(x: dict, device) -> dict:
+    """A round's host-built inputs on the runner's device (a no-op where they already are)."""
+    return {k: v.to(device) for k, v in x.items()}
 
 
 class StaticRunner(LocalRunner):
@@ -517,7 +528,8 @@ class StaticRunner(LocalRunner):
                 for r in range(k):
                     src[offs[i] + r] = base + j * Q + r
             self.decoder.check_plan(vb, slot.tolist(), start.tolist(), n.tolist())
-            lg, tp = self.graphs.verify(vb, tok, slot, start, n)
+            dev = self.decoder.device  # the plan moves in once
+            lg, tp = self.graphs.verify(vb, tok.to(dev), slot.to(dev), start.to(dev), n.to(dev))
             logits_parts.append(lg)
             taps_parts.append(tp)
             base += S * Q
@@ -526,21 +538,23 @@ class StaticRunner(LocalRunner):
             sl, a, k = spec[i]
             tok = torch.zeros(1, pb.rows, dtype=torch.long)
             tok[0, :k] = tokens[offs[i]:offs[i] + k]
-            lg, tp = self.pgraphs.verify(pb, tok, torch.tensor([sl]), torch.tensor([a]), torch.tensor([k]))
+            dev = self.pdecoder.device
+            lg, tp = self.pgraphs.verify(pb, tok.to(dev), *(torch.tensor([v], device=dev) for v in (sl, a, k)))
             for r in range(k):
                 src[offs[i] + r] = base + r
             logits_parts.append(lg)
             taps_parts.append(tp)
             base += pb.rows
             h2d += 8 * (pb.rows + 3)
-        src = torch.tensor(src, dtype=torch.long)
+        src = torch.tensor(src, dtype=torch.long, device=self.decoder.device)
         taps = torch.cat(taps_parts)[src] if taps_parts and taps_parts[0] is not None else None
         self.last_taps = taps
         if isinstance(logits_rows, str):
-            last = torch.tensor([o - 1 for o in offs[1:]], dtype=torch.long)  # the last row of each segment
+            # the last row of each segment
+            last = torch.tensor([o - 1 for o in offs[1:]], dtype=torch.long, device=src.device)
             pick = {"all": src, "last": src[last], "none": None}[logits_rows]
         else:
-            pick = src[torch.as_tensor(logits_rows, dtype=torch.long)]
+            pick = src[torch.as_tensor(logits_rows, dtype=torch.long).to(src.device)]
         out = None if pick is None else torch.cat(logits_parts)[pick]
         rows = 0 if pick is None else len(pick)
         graphs = self.graphs.executions - before[0] + ((self.pgraphs.executions - before[1]) if self.pgraphs else 0)
@@ -585,27 +599,31 @@ class StaticRunner(LocalRunner):
         pad = b.seqs - S
         self.decoder.check_plan(b, plan["slot"], plan["start"], [1 + e for e in plan["ell"]])
 
+        fd = loop_dtype()
+
         def col(name, fill, dtype=torch.long):
             return torch.tensor(list(plan[name]) + [fill] * pad, dtype=dtype)
 
         x = dict(slot=col("slot", self.decoder.scratch), start=col("start", 0),
                  n=torch.tensor([1 + e for e in plan["ell"]] + [0] * pad, dtype=torch.long),
-                 pending=col("pending", 0), temperature=col("temperature", 0.0, torch.float64),
-                 top_k=col("top_k", 0), top_p=col("top_p", 1.0, torch.float64), seed=col("seed", 0),
+                 pending=col("pending", 0), temperature=col("temperature", 0.0, fd),
+                 top_k=col("top_k", 0), top_p=col("top_p", 1.0, fd), seed=col("seed", 0),
                  rnd=col("rnd", 0), budget=col("budget", 0), len_left=col("len_left", 0),
                  stop_ids=torch.tensor([list(r) for r in plan["stop_ids"]] + [[-1] * len(plan["stop_ids"][0])] * pad,
                                        dtype=torch.long),
                  sps_t=pad_sps(plan.get("sps")), **adaptive_inputs(b.seqs, self.G, plan))
         if "n_out" in plan:  # the processed variant: min_tokens, penalties, log-probs in the graphs
             x.update(n_out=col("n_out", 0), min_tokens=col("min_tokens", 0),
-                     frequency=col("frequency", 0.0, torch.float64), presence=col("presence", 0.0, torch.float64))
-        return b, x
+                     frequency=col("frequency", 0.0, fd), presence=col("presence", 0.0, fd))
+        # the plan moves in once, here (the round's only host-to-device copy)
+        return b, to_device(x, self.decoder.device)
 
     def set_counts(self, slot: int, generated) -> None:
         """The slot's generated-token counts (the penalties' input of the processed rounds) from its
         generated ids: after eager steps committed tokens the device counts have not seen."""
         t = torch.as_tensor(list(generated), dtype=torch.long)
-        self.blocks.counts[slot] = torch.bincount(t, minlength=self.cfg.vocab_size).to(torch.float64)
+        counts = self.blocks.counts
+        counts[slot] = torch.bincount(t, minlength=self.cfg.vocab_size).to(counts.dtype).to(counts.device)
         self._count(0, t.numel() * 8)
 
     def decode_round(self, plan: dict) -> list[list[int]]:
@@ -665,8 +683,18 @@ def place_resident(runner: "StaticRunner", device) -> int:
     W.meta.pop("stacked", None)  # the stacked experts (W's expert entries are views of them): rebuilt there
     _settle_weights(runner.model)
     n += _move_attrs(runner.state, device) + _move_attrs(runner.blocks, device)
-    for rope in list(runner.decoder.ropes.values()) + list(runner.model.ropes.values()):
-        n += _move_attrs(rope, device)
+    # every decoder's tables (decode, plain-decode, prefill): each `_TableRope` holds the model
+    # Rope's table, so a table shared before the move stays shared (moved once)
+    decoders = [getattr(runner, d, None) for d in ("decoder", "ndecoder", "pdecoder")]
+    ropes = list(runner.model.ropes.values()) + [r for d in decoders if d is not None for r in d.ropes.values()]
+    moved: dict = {}
+    for rope in ropes:
+        for name, v in list(vars(rope).items()):
+            if isinstance(v, torch.Tensor):
+                if id(v) not in moved:
+                    moved[id(v)] = (v, v.to(device))  # keep v alive: ids stay unique
+                    n += 1
+                setattr(rope, name, moved[id(v)][1])
     hasher = getattr(runner.model, "hasher", None)
     if hasher is not None and hasattr(hasher, "to"):
         hasher.to(device)

@@ -35,6 +35,7 @@ import torch
 from v4flash_backend.engine import noise
 from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import admit_static
+from v4flash_backend.engine.precision import loop_dtype
 from v4flash_backend.engine.sampling import LOGPROB_COLS, LOGPROB_WIDTH
 
 from .static_step import StaticDecoder
@@ -49,14 +50,16 @@ class BlockState:
     tokens: torch.Tensor
     q: torch.Tensor
     z: torch.Tensor
-    # [slots, V] f64: how often each id occurs in the slot's generated tokens (the penalties'
+    # [slots, V] `loop_dtype()`: how often each id occurs in the slot's generated tokens (the penalties'
     # counts; the processed round graphs add each round's committed tokens, `set_counts` loads them)
     counts: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, slots: int, G: int, V: int) -> "BlockState":
-        return cls(torch.zeros(slots, G, dtype=torch.long), torch.ones(slots, G, dtype=torch.float32),
-                   torch.zeros(slots, G, V, dtype=torch.float32), torch.zeros(slots, V, dtype=torch.float64))
+    def empty(cls, slots: int, G: int, V: int, device=None) -> "BlockState":
+        return cls(torch.zeros(slots, G, dtype=torch.long, device=device),
+                   torch.ones(slots, G, dtype=torch.float32, device=device),
+                   torch.zeros(slots, G, V, dtype=torch.float32, device=device),
+                   torch.zeros(slots, V, dtype=loop_dtype(), device=device))
 
 
 # the int64 inputs of a round, [S] each unless noted (one row per sequence of the bucket)
@@ -78,11 +81,12 @@ def verify_round(dec: StaticDecoder, blk: BlockState, ctx: int, slot, start, n, 
     if proc is not None:
         logits = process_verify_rows(logits.view(S, G + 1, V), blk.counts[slot], drafts, stop_ids, proc)
     ell = (n - 1).clamp_min(0)
-    u_acc = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G) if G else torch.zeros(S, 0, dtype=torch.float64)
+    u_acc = (noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G) if G
+             else torch.zeros(S, 0, dtype=loop_dtype(), device=seed.device))
     u_fin = noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 1, None)
     res = verify_static(logits.view(S, G + 1, V), drafts, blk.q[slot][:, :G], blk.z[slot][:, :G], ell, temperature,
                         top_k, top_p, u_acc, u_fin, stop_ids, budget)
-    zero_c = torch.zeros(S, G, dtype=torch.float32)
+    zero_c = torch.zeros(S, G, dtype=torch.float32, device=slot.device)
     alone = pack(res.tokens, res.num_tokens, res.accepted, res.stopped, torch.zeros_like(res.num_tokens), zero_c)
     if proc is None:
         return res.tokens, res.num_tokens, res.accepted, res.stopped, taps, alone
@@ -96,8 +100,8 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
                 t_draft, cal, fixed_ell, proc: dict | None = None, extra=None):
     """Graph 2 (mode: dspark | fixed). Returns the round's read-back [S, 2G+5] int64 (with `extra`,
     graph 1's log-probs pack, appended: still one read-back). `proc`: the processed variant's
-    drafting processors (`draft_logit_fn`). t_draft [S+1] f64: the draft seconds by live rows R
-    (0: the forward's table alone); cal [S, G, 2] f64: (T_k, b_k) per row and position (T = 0: the
+    drafting processors (`draft_logit_fn`). t_draft [S+1] `loop_dtype()`: the draft seconds by live rows R
+    (0: the forward's table alone); cal [S, G, 2] `loop_dtype()`: (T_k, b_k) per row and position (T = 0: the
     raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 runs admission."""
     G = dec.max_rows - 1
     S = slot.shape[0]
@@ -116,7 +120,7 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
         ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, t_draft)
         ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), ell)
     else:
-        ell = torch.full((S,), min(fixed_len, G), dtype=torch.long)
+        ell = torch.full((S,), min(fixed_len, G), dtype=torch.long, device=slot.device)
     room = torch.minimum(budget - k - 1, len_left - k - 1).clamp(0, G)
     ell = torch.where(live, torch.minimum(ell, room), torch.zeros_like(ell))
     blk.tokens[slot] = block.tokens
@@ -149,7 +153,7 @@ def pack(tokens_out, committed, accepted, stopped, ell, conf):
 # row (a zero penalty and an inactive min_tokens row leave the logits bit for bit as they are, which is
 # what the host does for a request without them), so eager and static commit the same tokens and
 # report the same log-probs. proc: n_out [S] (generated tokens before the round), min_tokens [S],
-# frequency / presence [S] f64, stop_ids [S, W].
+# frequency / presence [S] `loop_dtype()`, stop_ids [S, W].
 
 # the graph computes the top LOGPROB_WIDTH alternatives (as the host does: sampling.LOGPROB_WIDTH) and
 # the host keeps the request's first `logprobs`
@@ -160,7 +164,7 @@ def mask_stop_static(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch
     stop ids [N, W] (-1 pads)."""
     V = logits.shape[-1]
     idx = torch.where((stop_ids >= 0) & active[:, None], stop_ids, V)
-    hit = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool).scatter(1, idx, True)[:, :V]
+    hit = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device).scatter(1, idx, True)[:, :V]
     return logits.masked_fill(hit, float("-inf"))
 
 
@@ -177,7 +181,7 @@ def process_verify_rows(logits: torch.Tensor, base: torch.Tensor, drafts: torch.
     rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
     x = apply_penalties(logits.reshape(S * G1, V), counts.reshape(S * G1, V), rep(proc["frequency"]).float(),
                         rep(proc["presence"]).float())
-    pos = proc["n_out"][:, None] + torch.arange(G1)
+    pos = proc["n_out"][:, None] + torch.arange(G1, device=logits.device)
     active = (pos < proc["min_tokens"][:, None]).reshape(-1)
     stops = stop_ids[:, None, :].expand(S, G1, stop_ids.shape[1]).reshape(S * G1, -1)
     return mask_stop_static(x, stops, active)

@@ -85,7 +85,8 @@ class _TableRope(Rope):
 
     def __init__(self, rope: Rope, n_positions: int):
         super().__init__(rope.freqs)
-        rope.at(torch.tensor([n_positions - 1]))  # grow the shared table once, on the host
+        if rope._table.shape[0] < n_positions:  # grow the shared table once, on the host
+            rope.at(torch.tensor([n_positions - 1], device=rope._table.device))
         self._table = rope._table
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -113,8 +114,8 @@ def moe_dense(W, cfg, layer_prefix: str, n_act: int, x: torch.Tensor, comm) -> t
     p = layer_prefix + ".ffn"
     weights, ids = route(W, cfg, p, x, n_act)
     n_experts = W[p + ".gate.weight"].shape[0]
-    dense = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype).scatter(1, ids, weights)
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    dense = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in local_experts(W, p):
         y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
     y = comm.moe_out(y)
@@ -169,12 +170,18 @@ class StaticDecoder:
 
             self.drafter = DSparkDrafter(model)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the state (hence the weights, `place_resident`) lives: the graphs' inputs go there."""
+        return self.state.engram_hist.device
+
     def padding_plan(self, seqs: int, rows: int):
         """A plan of `seqs` padding sequences (scratch slot, no valid row): running it changes no
-        state, so it serves to warm caches and to compile a bucket."""
-        z = torch.zeros(seqs, dtype=torch.long)
-        return (torch.zeros(seqs, rows, dtype=torch.long), torch.full((seqs,), self.scratch, dtype=torch.long),
-                z, z.clone())
+        state, so it serves to warm caches and to compile a bucket. Built on the state's device."""
+        dev = self.device
+        z = torch.zeros(seqs, dtype=torch.long, device=dev)
+        return (torch.zeros(seqs, rows, dtype=torch.long, device=dev),
+                torch.full((seqs,), self.scratch, dtype=torch.long, device=dev), z, z.clone())
 
     def prime(self, bucket: Bucket) -> None:
         """Run both graphs of `bucket` once eagerly on a padding plan: fills the host-side caches the
@@ -212,7 +219,7 @@ class StaticDecoder:
         tok = tokens.reshape(-1).long()
         hashes = self._engram_hashes(tok, geo) if cfg.engram_layer_ids else None
         h = ops.hc_expand(m.embed(tok), cfg.hc_mult)
-        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre_mix[:, 0] = 1.0
         shared: dict = {}
         taps = []
@@ -231,14 +238,14 @@ class StaticDecoder:
 
     def _geometry(self, slot, start, n, Q: int) -> _Geometry:
         Wn = self.cfg.window_size
-        S = slot.shape[0]
-        ar = torch.arange(Q)
+        S, dev = slot.shape[0], slot.device
+        ar = torch.arange(Q, device=dev)
         pos = start[:, None] + ar
         valid = ar < n[:, None]
         span0 = start - (Wn - 1)  # first position of the span
-        span_pos = span0[:, None] + torch.arange(Wn - 1 + Q)
+        span_pos = span0[:, None] + torch.arange(Wn - 1 + Q, device=dev)
         t = pos[:, :, None]
-        cols = torch.arange(Wn)
+        cols = torch.arange(Wn, device=dev)
         # eager layouts (model_attention.window_slots): a single-token step past position 0 takes the
         # whole window oldest first with the empty slots in front; a chunk takes `width` slots from
         # max(0, t - W + 1) with the not-yet-visible ones (-1) at the end
@@ -258,9 +265,10 @@ class StaticDecoder:
         comp = hs.token_map[tok].view(geo.S, geo.Q)  # ids are validated by the engine, not here
         # the N - 1 positions before the step from the ring (read before it is written), then the
         # step's own rows: any row count, and the ring keeps only the last R rows of a long chunk
-        old = st.engram_hist[geo.slot[:, None], (geo.start[:, None] - (N - 1) + torch.arange(N - 1)) % R]
+        dev = tok.device
+        old = st.engram_hist[geo.slot[:, None], (geo.start[:, None] - (N - 1) + torch.arange(N - 1, device=dev)) % R]
         span = torch.cat([old, comp], dim=1)  # [S, N-1+Q]: positions start-N+1 ..
-        t = geo.pos[:, :, None] - torch.arange(N)
+        t = geo.pos[:, :, None] - torch.arange(N, device=dev)
         j = (t - (geo.start[:, None, None] - (N - 1))).clamp_min(0)
         win = torch.where(t >= 0, span.gather(1, j.flatten(1)).view(t.shape), -1)
         masked_put(st.engram_hist, geo.slot[:, None], geo.pos % R, comp, _last_rows(geo, R), self.scratch)
@@ -319,17 +327,18 @@ class StaticDecoder:
         # the rows of the open group before the step (positions g0 .. start-1, from the pending ring,
         # read before the write), then the step's rows
         g0 = (geo.start // r) * r
-        prev = (g0[:, None] + torch.arange(r - 1)) % R
+        dev = geo.start.device
+        prev = (g0[:, None] + torch.arange(r - 1, device=dev)) % R
         span_kv = torch.cat([ring[geo.slot[:, None], prev], kv.view(S, Q, -1)], dim=1)
         span_sc = torch.cat([sring[geo.slot[:, None], prev], score.view(S, Q, -1)], dim=1)
         keep = _last_rows(geo, R)
         masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), keep, self.scratch)
         masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), keep, self.scratch)
         G = -(-Q // r)  # a step of Q rows completes at most ceil(Q / r) groups
-        j = torch.arange(G)
+        j = torch.arange(G, device=dev)
         gids = (geo.start // r)[:, None] + j
         gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
-        gp = gids[:, :, None] * r + torch.arange(r)  # [S, G, r] positions of each group's rows
+        gp = gids[:, :, None] * r + torch.arange(r, device=dev)  # [S, G, r] positions of each group's rows
         st0 = geo.start[:, None, None]
         idx = torch.where(gp < st0, gp - g0[:, None, None], (r - 1) + gp - st0).clamp(0, r - 2 + Q)
         flat = idx.flatten(1)
@@ -372,18 +381,19 @@ class StaticDecoder:
         S = slot.shape[0]
         Q = taps.shape[0] // S
         B, win = self.B, cfg.window_size
-        pos = start[:, None] + torch.arange(Q)
-        valid = torch.arange(Q) < commit[:, None]
+        dev = slot.device
+        pos = start[:, None] + torch.arange(Q, device=dev)
+        valid = torch.arange(Q, device=dev) < commit[:, None]
         main_x = d.main_x(taps)
         for k in range(d.n_stages):
             kv = self._stage_kv(k, main_x, pos.reshape(-1))
             masked_put(st.dspark[k], slot[:, None], pos % win, kv.view(S, Q, -1), valid, self.scratch)
         last = start + commit - 1  # the last position whose main-KV is in the ring
-        ids = torch.full((S, B), cfg.dspark_noise_token_id, dtype=torch.long)
+        ids = torch.full((S, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchor
-        dpos = last[:, None] + 1 + torch.arange(B)
+        dpos = last[:, None] + 1 + torch.arange(B, device=dev)
         h = ops.hc_expand(m.embed(ids.flatten()), cfg.hc_mult)
-        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre_mix[:, 0] = 1.0
         n_act = cfg.moe_shape(cfg.n_layers)[1]
         for k in range(d.n_stages):
@@ -433,7 +443,7 @@ def _join_slots(widx: torch.Tensor, cidx: torch.Tensor, width: torch.Tensor) -> 
     (>= width, all -1) moved behind the compressed ones: the eager order plus trailing -1."""
     Wn, K = widx.shape[-1], cidx.shape[-1]
     full = torch.cat([widx, cidx], dim=-1)
-    c = torch.arange(Wn + K)
+    c = torch.arange(Wn + K, device=widx.device)
     w = width[:, None, None]
     src = torch.where(c < w, c, c + (Wn - w))
     picked = full.gather(-1, src.clamp_max(Wn + K - 1).expand(full.shape))
