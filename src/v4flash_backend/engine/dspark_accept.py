@@ -303,7 +303,7 @@ def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: to
     rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731 - params per verify row
     probs = process_logits_static(target_logits.reshape(S * G1, V), rep(temperature), rep(top_k),
                                   rep(top_p)).view(S, G1, V)
-    steps = torch.arange(G1)
+    steps = torch.arange(G1, device=target_logits.device)
     rows = torch.minimum(steps[None, :], ell[:, None])  # [S, G+1] the clamped verify row of step i
     in_play = steps[None, :G] < ell[:, None]
     p_rows = probs.gather(1, rows[:, :G, None].expand(S, G, V))  # p_i for i < G (clamped)

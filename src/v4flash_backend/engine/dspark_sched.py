@@ -274,7 +274,7 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
     a_sorted = -a_sorted
     valid = a_sorted > 0
     sizes, vals = sps_t[0].long(), sps_t[1]
-    B = R + torch.arange(M + 1)
+    B = R + torch.arange(M + 1, device=c.device)
     idx = (torch.searchsorted(sizes, B, right=True) - 1).clamp(min=0)
     bmax = sizes[-1]
     sps_b = torch.where(B > bmax, vals[-1] * bmax.double() / B.double(), vals[idx])
@@ -287,6 +287,6 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
     prev = torch.cat([base, val[:-1]])
     ok = (val > prev) & valid
     n_adm = torch.cumprod(ok.to(torch.int64), dim=-1).sum()
-    admitted_sorted = torch.arange(M) < n_adm
-    admitted = torch.zeros(M, dtype=torch.bool).scatter(0, order, admitted_sorted)
+    admitted_sorted = torch.arange(M, device=c.device) < n_adm
+    admitted = torch.zeros(M, dtype=torch.bool, device=c.device).scatter(0, order, admitted_sorted)
     return admitted.reshape(G, S).sum(0)

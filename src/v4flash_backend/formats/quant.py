@@ -16,13 +16,26 @@ FP4_MAX = 6.0
 FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
 FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
 
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_GRID = torch.tensor(_GRID, dtype=torch.float32)
 # value of each 4-bit code: bit 3 is the sign
 E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
 # midpoints between consecutive magnitudes; at an exact midpoint RNE goes to the even code,
 # which is the upper one for midpoints 0.75, 1.75 and 3.5
-_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-_E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (False, True, False, True, False, True, False)
+_E2M1_MIDS = torch.tensor(_MIDS, dtype=torch.float32)
+_E2M1_TIE_UP = torch.tensor(_TIE_UP)
+_VALUES = {"E2M1_TABLE": _GRID + tuple(-v for v in _GRID), "_E2M1_MIDS": _MIDS, "_E2M1_TIE_UP": _TIE_UP}
+
+
+def _table(name: str, like: torch.Tensor) -> torch.Tensor:
+    """The module table `name` on `like`'s device: the CPU one, or the same values made there (a
+    constant of a device graph; a CPU table would meet device tensors)."""
+    t = globals()[name]
+    if t.device == like.device:
+        return t
+    return torch.tensor(_VALUES[name], dtype=t.dtype, device=like.device)
 
 
 # ---- scalar formats ---------------------------------------------------------------------
@@ -56,12 +69,13 @@ def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values already in [-6, 6] -> 4-bit codes (uint8), round to nearest, ties to even code."""
     mag = x.abs().unsqueeze(-1)
-    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
+    mids, tie_up = _table("_E2M1_MIDS", x), _table("_E2M1_TIE_UP", x)
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    return E2M1_TABLE[e2m1_codes(x).long()]
+    return _table("E2M1_TABLE", x)[e2m1_codes(x).long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -73,7 +87,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8 (or float4_e2m1fn_x2 / uint8) bytes [..., K/2] -> fp32 values [..., K]."""
     b = packed.contiguous().view(torch.uint8)
-    vals = torch.stack([E2M1_TABLE[(b & 0x0F).long()], E2M1_TABLE[(b >> 4).long()]], dim=-1)
+    table = _table("E2M1_TABLE", b)
+    vals = torch.stack([table[(b & 0x0F).long()], table[(b >> 4).long()]], dim=-1)
     return vals.flatten(-2)
 
 

@@ -75,7 +75,7 @@ def pick_compressed(cfg: ModelConfig, layer: int, score: torch.Tensor, clens: to
     """Top-k compressed slots per query from indexer scores [..., C] (reachable: < clens [..., 1]):
     the candidate-block mask (computed at the candidate source layer, applied after it), then top-k,
     ascending, picks beyond reach -> -1 (int64)."""
-    score = score.masked_fill(torch.arange(score.shape[-1]) >= clens, -torch.inf)
+    score = score.masked_fill(torch.arange(score.shape[-1], device=score.device) >= clens, -torch.inf)
     if layer == cfg.candidate_source_layer:
         shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
     elif 0 <= cfg.candidate_source_layer < layer:
@@ -153,7 +153,7 @@ def candidate_blocks(score: torch.Tensor, clens: torch.Tensor, topk_blocks: int,
     blk = padded.unflatten(-1, (-1, block)).amax(-1)
     nb = blk.shape[-1]
     last = torch.div(clens - 1, block, rounding_mode="floor")
-    blk = blk.masked_fill(torch.arange(nb) == last, torch.inf)
+    blk = blk.masked_fill(torch.arange(nb, device=blk.device) == last, torch.inf)
     top = topk_idx(blk, min(topk_blocks, nb))
     keep = torch.zeros_like(blk, dtype=torch.bool).scatter_(-1, top, blk.gather(-1, top) > -torch.inf)
     return keep.repeat_interleave(block, dim=-1)[..., :width]

@@ -28,7 +28,7 @@ def block_slots(last: torch.Tensor, win: int, B: int) -> torch.Tensor:
     whose last ring position is last [R]: the filled ring slots 0..min(win, last + 1) - 1 in slot
     order, then the whole block (no causal mask inside it), then -1 padding -> int32 [R, win + B]."""
     filled = (last + 1).clamp(0, win)[:, None]
-    j = torch.arange(win + B)
+    j = torch.arange(win + B, device=last.device)
     return torch.where(j < filled, j, torch.where(j < filled + B, win + j - filled, -1)).int()
 
 
