@@ -1,4 +1,4 @@
-"""Command line: `python -m v4flash_backend {golden-check,generate,placement,release-check} ...`."""
+"""Command line: `python -m v4flash_backend {golden-check,generate,placement,release-check,trn2-check} ...`."""
 
 from __future__ import annotations
 
@@ -135,5 +135,11 @@ def main(argv=None) -> int:
                                               "at release shapes, kernel SBUF/PSUM footprints (no release bytes)")
     release.add_arguments(rc)
     rc.set_defaults(fn=release.main)
+    from v4flash_backend.checks import trn2
+
+    tc = sub.add_parser("trn2-check", help="one rank's static graphs traced on fake device tensors: device-clean, "
+                                           "trn2 dtypes, kernel nodes, host reads; the Neuron launch environment")
+    trn2.add_arguments(tc)
+    tc.set_defaults(fn=trn2.main)
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -1,0 +1,549 @@
+"""`python -m v4flash_backend trn2-check`: the static graphs as a NeuronCore would take them.
+
+For rank R of a W-rank group, without real weights and without a process group (release.py's
+`ShapeCollectives`), the rank's `trn2.neuron.StaticRunner` is built from fake tensors
+(`torch._subclasses.FakeTensorMode`: shapes, dtypes and devices, no memory): every weight shard
+(from the checkpoint's headers, or from the config's tensor specs), cache, draft block and table is
+placed on a fake accelerator device (`FAKE_DEVICE`: cuda, or meta on a CPU-only torch) by the served path's own
+`place_resident`, and no default device is set. Every static graph serving compiles for that rank --
+per decode bucket the round verify graph, the round draft graph and the plain (no-draft) round
+graph, each in the plain and the logit-processing variant, the bare verify forward; per prefill row
+bucket the prefill forward -- is captured as an FX graph with `make_fx` under that mode, with the
+round inputs the host builds (`round_padding`, moved to the device once as `round_inputs` does).
+
+Per graph:
+- device_clean: tracing raised no device mismatch (FakeTensorMode raises when a CPU tensor meets a
+  device tensor; 0-dim CPU scalars are allowed, as on a device) and every node's value is on the
+  fake device (a CPU tensor made inside the step fails even if it never meets a device tensor);
+- dtype_ok: `dtype_problems` -- no float64 / complex128 value anywhere, and 64-bit integers only
+  where neuronx-cc keeps them exact (the rule and the documentation it rests on are there);
+- host reads: `.item()` / `.tolist()` / data-dependent ops seen while tracing (HostSyncCounter, the
+  captured `_local_scalar_dense` / nonzero nodes, FakeTensorMode's data-dependent exceptions);
+- kernel nodes: FX nodes whose op is in the `v4flash` namespace (each NKI kernel is a torch custom
+  op there), counted over the graphs one decode step runs (round verify + round draft of the first
+  decode bucket; the plain round graph where the checkpoint has no DSpark).
+
+neuron_env: the launch environment `trn2.neuron.neuron_env` builds for this rank carries the LNC,
+--auto-cast=none and the fp8 flag in NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG = the LNC, a per-rank
+NEURON_RT_VISIBLE_CORES and a compile cache directory.
+
+The last line is `trn2-check: graphs=<N> device_clean=<n>/<N> dtype_ok=<n>/<N>
+kernel_nodes_per_step=<K> host_reads=<H> neuron_env=<ok|...>` (one line).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from v4flash_backend import ops
+from v4flash_backend.config import ModelConfig
+
+# The fake accelerator: `cuda` where this torch is built with CUDA; on a CPU-only build, Python
+# indexing of a fake cuda tensor asks for CUDA's device guard and fails, so `meta` stands in there --
+# also not the CPU, and FakeTensorMode raises alike when a CPU tensor meets it. (release-check's
+# meta trace hides CPU factories with set_default_device("meta"); here no default device is set.)
+FAKE_DEVICE = torch.device("cuda", 0) if torch.backends.cuda.is_built() else torch.device("meta")
+KERNEL_NAMESPACE = "v4flash"  # the ops helper registers every NKI kernel as torch.ops.v4flash.*
+
+# ---- the dtype rule -------------------------------------------------------------------------------
+# NeuronCore engines take cFP8, FP16, BF16, TF32, FP32, INT8, INT16, INT32: no float64 at all. For
+# 64-bit integers neuronx-cc (Neuron 2.32 release notes,
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/release-notes/components/compiler.html):
+#   "--native-int64=enabled runs int64 ops natively without precision loss on trn2 and later;
+#    --implicit-integer-downcast controls which ops with no native integer datapath (dot, scatter,
+#    all_reduce, reduce_scatter, pow) are silently downcast versus hard-errored. The default
+#    posture preserves backward compatibility: int64 ops are downcast to int32"
+# (options listed in https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/compiler/neuronx-cc/
+# api-reference-guide/index.html). So an int64 value is exact on trn2 when it stays below 2^31
+# (downcast keeps it), or when --native-int64=enabled is in the flags and the value never enters an op
+# without a native integer datapath. The rule checked on every graph:
+# - a "wide" value is an int64 one that may reach 2^31: the product of two int64 tensors or of one and
+#   a constant >= 2^16 (hash multipliers; positions x a ratio stay small), a left shift, a power, and
+#   anything computed from a wide value -- except `& c` with 0 <= c < 2^31 and `%` (the divisors
+#   here are ring sizes and bucket primes, all < 2^31), which bring it back below 2^31;
+# - without --native-int64=enabled, every wide value is a problem (int32 arithmetic would wrap);
+# - with it, a wide value feeding dot / matmul, a scatter (index_put, scatter, scatter_add, ...), a
+#   collective or pow is a problem (those ops are downcast).
+# Indices, positions, token ids, counters and compressed ids are int64 values below 2^31: allowed.
+SMALL_MULTIPLIER = 1 << 16
+_WIDE_MAKERS = {"mul", "lshift", "bitwise_left_shift", "__lshift__", "pow"}
+_NARROWING = {"bitwise_and", "__and__", "remainder", "fmod"}
+_NO_INT_DATAPATH = {"mm", "bmm", "addmm", "matmul", "dot", "mv", "baddbmm", "index_put", "index_put_",
+                    "_unsafe_index_put", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                    "index_add", "index_add_", "index_copy", "index_copy_", "pow", "all_reduce", "all_reduce_",
+                    "reduce_scatter_tensor", "all_gather_into_tensor"}
+_HOST_READ_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique",
+                  "_unique2", "unique_consecutive", "unique_dim", "bincount", "argwhere"}
+
+
+def _op_name(target) -> str:
+    """'mul' for aten.mul.Tensor, 'all_reduce' for _c10d_functional.all_reduce.default."""
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _namespace(target) -> str:
+    return getattr(target, "namespace", "") or getattr(getattr(target, "_schema", None), "name", "::").split("::")[0]
+
+
+def _val(node):
+    return node.meta.get("val") if hasattr(node, "meta") else None
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def dtype_problems(gm, native_int64: bool) -> list[str]:
+    """The dtype rule above over a captured graph: a list of '<node> <reason>' (empty: ok)."""
+    wide: set = set()
+    bad = []
+    for node in gm.graph.nodes:
+        vals = _tensors(_val(node))
+        for v in vals:
+            if v.dtype in (torch.float64, torch.complex128):
+                bad.append(f"{node.name}: {v.dtype}")
+                break
+        if node.op != "call_function":
+            continue
+        op = _op_name(node.target)
+        args = [a for a in node.args] + list(node.kwargs.values())
+        in_nodes = [a for a in _flat(args) if hasattr(a, "meta")]
+        consts = [a for a in _flat(args) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        is_int64 = any(v.dtype == torch.int64 for v in vals)
+        if is_int64 and op in _WIDE_MAKERS:
+            big_const = any(abs(c) >= SMALL_MULTIPLIER for c in consts)
+            two_tensors = sum(1 for a in in_nodes if any(t.dim() for t in _tensors(_val(a)))) >= 2
+            if op != "mul" or big_const or two_tensors:
+                wide.add(node)
+                if not native_int64:  # reported where it starts (what follows from it is the same value)
+                    bad.append(f"{node.name}: int64 {op} may exceed 2^31 (downcast to int32 without "
+                               "--native-int64=enabled)")
+        if is_int64 and any(a in wide for a in in_nodes) and not _narrows(op, consts):
+            wide.add(node)
+        if native_int64 and op in _NO_INT_DATAPATH:
+            # the data operand (not an index list) of an op without a native integer datapath
+            data = [a for a in in_nodes if a in wide]
+            if data:
+                bad.append(f"{node.name}: wide int64 into {op} (no native integer datapath: downcast to int32)")
+    return bad
+
+
+def _narrows(op: str, consts) -> bool:
+    if op in ("remainder", "fmod"):
+        return True
+    return op in ("bitwise_and", "__and__") and any(0 <= c < (1 << 31) for c in consts)
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [y for e in x for y in _flat(e)]
+    if isinstance(x, dict):
+        return [y for e in x.values() for y in _flat(e)]
+    return [x]
+
+
+def off_device(gm, device=FAKE_DEVICE) -> list[str]:
+    """Nodes whose value is a tensor with at least one dimension not on `device`."""
+    dev = torch.device(device).type
+    out = []
+    for node in gm.graph.nodes:
+        for v in _tensors(_val(node)):
+            if v.dim() and v.device.type != dev:
+                out.append(f"{node.name} ({_op_name(node.target) if node.op == 'call_function' else node.op}) "
+                           f"on {v.device}")
+                break
+    return out
+
+
+def kernel_nodes(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and _namespace(n.target) == KERNEL_NAMESPACE)
+
+
+def graph_host_reads(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and _op_name(n.target) in _HOST_READ_OPS)
+
+
+def _where(e: BaseException) -> str:
+    """file:line of the innermost project frame of an exception's traceback (where the step did it)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "v4flash_backend" in f.filename
+              and not f.filename.endswith(("checks/trn2.py", "device_boundary.py"))]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename.split('src/')[-1]}:{f.lineno}"
+
+
+# ---- tracing ----------------------------------------------------------------------------------------
+@dataclass
+class GraphCheck:
+    name: str
+    nodes: int = 0
+    kernel_nodes: int = 0
+    off_device: list = field(default_factory=list)
+    dtype_bad: list = field(default_factory=list)
+    host_reads: int = 0
+    error: str = ""
+    seconds: float = 0.0
+    outputs: tuple = ()  # the graph's outputs (fake), inputs of the next graph of the round
+    step: bool = False  # one of the graphs a decode step runs
+
+    @property
+    def device_clean(self) -> bool:
+        return not self.error and not self.off_device
+
+    @property
+    def dtype_ok(self) -> bool:
+        return not self.error and not self.dtype_bad
+
+    def line(self) -> str:
+        s = (f"graph {self.name}: nodes={self.nodes} kernel_nodes={self.kernel_nodes} "
+             f"device={'clean' if self.device_clean else 'DIRTY'} dtype={'ok' if self.dtype_ok else 'BAD'} "
+             f"host_reads={self.host_reads} {self.seconds:.1f}s")
+        if self.error:
+            s += f" error: {self.error}"
+        for what in (self.off_device[:3], self.dtype_bad[:3]):
+            if what:
+                s += " | " + "; ".join(what)
+        return s
+
+
+def trace(name: str, fn, args, mode, native_int64: bool) -> GraphCheck:
+    """Capture fn(*args) with make_fx under the fake mode `mode` and check the graph."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorDeviceMismatchError,
+    )
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from v4flash_backend.engine.device_boundary import HostSyncCounter
+
+    res = GraphCheck(name)
+    t0 = time.perf_counter()
+    if torch.get_default_device().type != "cpu":
+        raise RuntimeError("trn2-check traces with no default device set")
+    try:
+        with mode, HostSyncCounter() as hs:
+            gm = make_fx(fn, tracing_mode="real")(*args)
+    except FakeTensorDeviceMismatchError as e:
+        res.error = f"device mismatch at {_where(e)}: {str(e).splitlines()[0][:200]}"
+        res.host_reads = hs.total
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        res.error = f"host read at {_where(e)}: {type(e).__name__}"
+        res.host_reads = max(1, hs.total)
+    except Exception as e:  # any other failure to capture the graph fails both checks
+        res.error = f"{type(e).__name__} at {_where(e)}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        res.host_reads = hs.total
+    else:
+        res.nodes = len(gm.graph.nodes)
+        res.kernel_nodes = kernel_nodes(gm)
+        res.off_device = off_device(gm)
+        res.dtype_bad = dtype_problems(gm, native_int64)
+        res.host_reads = max(hs.total, graph_host_reads(gm))
+        out = [n for n in gm.graph.nodes if n.op == "output"][0]
+        res.outputs = tuple(_val(a) for a in _flat(out.args[0]))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+# ---- the rank's runner, on fake tensors -----------------------------------------------------------------
+class _FakeReader:
+    """The reader interface `parallel.layout.load_shard` uses, answering every read with an empty
+    (fake) tensor of the stored shape and dtype: from a checkpoint's headers or the config's specs."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.specs = specs
+
+    @classmethod
+    def from_checkpoint(cls, path) -> "_FakeReader":
+        from v4flash_backend.formats.checkpoint import CheckpointReader
+
+        with CheckpointReader(path) as r:  # headers only: no tensor data is read
+            return cls({n: (tuple(r.shape(n)), r.dtype(n)) for n in r.keys()})
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "_FakeReader":
+        from v4flash_backend.formats.checkpoint import ST_TO_TORCH
+        from v4flash_backend.parallel import placement
+
+        return cls({n: (tuple(shape), ST_TO_TORCH[st]) for n, shape, st in placement.tensor_specs(cfg)})
+
+    def keys(self):
+        return list(self.specs)
+
+    def __contains__(self, name):
+        return name in self.specs
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def shape(self, name):
+        return self.specs[name][0]
+
+    def dtype(self, name):
+        return self.specs[name][1]
+
+    def get(self, name, shape=None, dtype=None):
+        s, d = self.specs[name]
+        return torch.empty(s, dtype=d)
+
+    def get_slice(self, name, dim, start, stop):
+        s, d = self.specs[name]
+        s = tuple(stop - start if i == dim else n for i, n in enumerate(s))
+        return torch.empty(s, dtype=d)
+
+
+@dataclass
+class RankPlan:
+    """What one rank serves: the model config, its layout, the runner's limits."""
+
+    cfg: ModelConfig
+    world: int
+    rank: int
+    max_num_seqs: int
+    max_model_len: int
+    prefill_chunk: int
+    buckets: str = "smallest"  # all | corners | smallest (release.select_buckets)
+    reader: object = None
+    tokenizer: Path | None = None
+
+
+def build_runner(plan: RankPlan, mode):
+    """The rank's StaticRunner over fake weights and caches, every resident tensor on FAKE_DEVICE."""
+    from tokenizers import Tokenizer
+
+    from v4flash_backend.model.engram_hash import EngramHasher
+    from v4flash_backend.model.transformer import V41Model
+    from v4flash_backend.parallel.comm import DistComm
+    from v4flash_backend.parallel.layout import Layout, load_shard
+    from v4flash_backend.trn2.neuron import MAX_PREFILL_ROWS, NeuronSettings, StaticRunner, place_resident
+
+    from .release import ShapeCollectives, select_buckets
+
+    cfg, lay = plan.cfg, Layout(plan.rank, plan.world)
+    hasher = None
+    if cfg.engram_layer_ids:  # host tables from the tokenizer (real, small); placed on the device below
+        hasher = EngramHasher.from_config(cfg, Tokenizer.from_file(str(plan.tokenizer)))
+    rows = 1 + (cfg.dspark_block_size or 0)
+    buckets = select_buckets(cfg, plan.max_num_seqs, plan.max_model_len, plan.buckets)
+    with mode:
+        W = load_shard(plan.reader, cfg, lay)
+        model = V41Model(cfg, W, hasher, DistComm(lay, ShapeCollectives(lay), cfg.vocab_size, cfg))
+        # every position any decoder addresses: fake tables (values do not matter to the check)
+        n_pos = plan.max_model_len + max(rows, min(plan.prefill_chunk, MAX_PREFILL_ROWS), cfg.dspark_block_size) + 1
+        for rope in model.ropes.values():
+            rope._table = torch.empty(n_pos, rope.freqs.numel(), dtype=torch.complex64)
+        runner = StaticRunner(model, plan.max_num_seqs, plan.max_model_len, buckets=buckets,
+                              settings=NeuronSettings(backend="none"), prefill_rows=plan.prefill_chunk)
+        place_resident(runner, FAKE_DEVICE)
+    return runner
+
+
+def _prefill_selected(runner, which: str):
+    from .release import _corners, _smallest
+
+    pb = runner.pgraphs.buckets if runner.pgraphs is not None else []
+    if not pb or which == "all":
+        return pb
+    # one context bound per row bucket is what the row bucket changes (the graph's rows)
+    by_rows = {}
+    for b in (pb if which == "corners" else _smallest(pb) + _corners(pb)):
+        by_rows.setdefault(b.rows, b)
+    return sorted(by_rows.values(), key=lambda b: b.rows) if which == "corners" else [min(pb, key=lambda b: b.rows)]
+
+
+def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=None,
+                 prefill: str = "smallest", select=None) -> list[GraphCheck]:
+    """Trace every static graph of `runner` (see the module docstring); `select(name)`: only those
+    (a round's draft graph needs its verify graph)."""
+    from v4flash_backend.trn2.neuron import PROC_INPUTS, Bucket
+
+    out: list[GraphCheck] = []
+
+    def run(name, fn, args, step=False):
+        if select is not None and not select(name):
+            return GraphCheck(name)
+        res = trace(name, fn, args, mode, native_int64)
+        res.step = step
+        out.append(res)
+        if log:
+            log(res.line())
+        return res
+
+    G = runner.G
+    mode_name = "dspark" if G else "off"
+    sw = 8
+    for i, b in enumerate(runner.buckets):
+        for proc in (False, True)[:1 + processed]:
+            x = runner.graphs.round_padding(b, sw, proc)
+            pv = [x[k] for k in PROC_INPUTS] if proc else []
+            suffix = " processed" if proc else ""
+            v_args = [x[k] for k in ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed", "rnd",
+                                     "budget", "stop_ids")] + pv
+            first = i == 0 and not proc
+            g1 = run(f"round verify {b}{suffix}", runner.graphs.round_verify_graph(b, proc), v_args,
+                     step=first and G > 0)
+            if G and g1.outputs:
+                tokens_out, committed, accepted, stopped, taps, *lp = g1.outputs[:5 + proc]
+                d_args = [taps, committed, tokens_out, accepted, stopped] + [
+                    x[k] for k in ("slot", "start", "n", "temperature", "top_k", "top_p", "seed", "rnd", "budget",
+                                   "len_left", "sps_t", "t_draft", "cal", "fixed_ell")]
+                if proc:
+                    d_args += pv + [x["stop_ids"]] + lp
+                run(f"round draft {b} {mode_name}{suffix}", runner.graphs.round_draft_graph(b, mode_name, 0, proc),
+                    d_args, step=first)
+            if runner.ngraphs is not None:
+                nb = Bucket(b.seqs, 1, b.ctx)
+                xn = runner.ngraphs.round_padding(nb, sw, proc)
+                n_args = [xn[k] for k in ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed",
+                                          "rnd", "budget", "stop_ids")] + ([xn[k] for k in PROC_INPUTS] if proc else [])
+                run(f"plain round {nb}{suffix}", runner.ngraphs.round_verify_graph(nb, proc), n_args)
+        run(f"forward {b}", runner.graphs.verify_graph(b), list(runner.decoder.padding_plan(b.seqs, b.rows)))
+    for pb in _prefill_selected(runner, prefill):
+        run(f"prefill {pb}", runner.pgraphs.verify_graph(pb), list(runner.pdecoder.padding_plan(1, pb.rows)))
+    return out
+
+
+# ---- the launch environment -------------------------------------------------------------------------
+TRN2_PHYSICAL_CORES = 128  # a trn2.48xlarge: 16 chips x 8 NeuronCores (LNC=2: 64 logical ones)
+FP8_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+def env_problems(env: dict, lnc: int, local_rank: int) -> list[str]:
+    """What the rank's launch environment lacks (empty: ok)."""
+    flags = shlex.split(env.get("NEURON_CC_FLAGS", ""))
+    missing = []
+    if not any(f in (f"--lnc={lnc}", f"--logical-nc-config={lnc}") for f in flags) and \
+            not any(flags[i] in ("--lnc", "--logical-nc-config", "-lnc") and flags[i + 1] == str(lnc)
+                    for i in range(len(flags) - 1)):
+        missing.append(f"NEURON_CC_FLAGS:--lnc={lnc}")
+    if "--auto-cast=none" not in flags:
+        missing.append("NEURON_CC_FLAGS:--auto-cast=none")
+    if not any(FP8_FLAG in f for f in flags):
+        missing.append("NEURON_CC_FLAGS:fp8e4m3fn-as-fp8e4m3")
+    if env.get("NEURON_LOGICAL_NC_CONFIG") != str(lnc):
+        missing.append(f"NEURON_LOGICAL_NC_CONFIG={lnc}")
+    cores = env.get("NEURON_RT_VISIBLE_CORES", "")
+    if not cores:
+        missing.append("NEURON_RT_VISIBLE_CORES")
+    if not any(env.get(k) for k in ("NEURON_COMPILE_CACHE_URL", "TORCH_NEURONX_NEFF_CACHE_DIR")):
+        missing.append("compile cache dir")
+    return missing
+
+
+def native_int64_enabled(env: dict) -> bool:
+    flags = shlex.split(env.get("NEURON_CC_FLAGS", ""))
+    return "--native-int64=enabled" in flags or any(
+        flags[i] == "--native-int64" and flags[i + 1] == "enabled" for i in range(len(flags) - 1))
+
+
+def rank_env(world: int, rank: int, settings=None) -> tuple[dict, int, int]:
+    """(the launch environment of `rank`, its LNC, its local rank) from `trn2.neuron.neuron_env`."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, neuron_env
+
+    s = settings or NeuronSettings()
+    local = rank % (TRN2_PHYSICAL_CORES // max(1, s.lnc))  # logical cores of one trn2.48xlarge
+    return neuron_env(s, local), s.lnc, local
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def trn2_check(checkpoint: str | None, config: str | None, world: int, rank: int, max_num_seqs: int = 8,
+               max_model_len: int | None = None, prefill_chunk: int | None = None, buckets: str = "smallest",
+               processed: bool = True, log=print, settings=None, ops_backend: str = "nki-sim", select=None):
+    """Run the checks for one rank; returns (ok, final line, graph checks)."""
+    from torch._subclasses import FakeTensorMode
+
+    from .release import tokenizer_json
+
+    log = log or (lambda s: None)
+    if checkpoint:
+        cfg = ModelConfig.from_json(Path(checkpoint) / "config.json")
+        reader = _FakeReader.from_checkpoint(checkpoint)
+        tok = Path(checkpoint) / "tokenizer.json"
+        max_model_len = max_model_len or 256
+    else:
+        cfg = ModelConfig.release() if config == "release" else ModelConfig.from_json(config)
+        reader = _FakeReader.from_config(cfg)
+        tok = tokenizer_json() if cfg.engram_layer_ids else None
+        max_model_len = max_model_len or 65536
+    if prefill_chunk is None:
+        from v4flash_backend.settings import Settings
+
+        prefill_chunk = Settings().prefill_chunk
+    env, lnc, local = rank_env(world, rank, settings)
+    native = native_int64_enabled(env)
+    saved = ops.get_backend(), ops.get_numerics()
+    ops.set_backend(ops_backend)  # nki-sim: kernel numerics, the kernels as torch custom ops (namespace v4flash)
+    ops.set_numerics("reference")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        t0 = time.perf_counter()
+        plan = RankPlan(cfg, world, rank, max_num_seqs, max_model_len, prefill_chunk, buckets, reader, tok)
+        runner = build_runner(plan, mode)
+        log(f"runner: rank={rank}/{world} buckets={[str(b) for b in runner.buckets]} "
+            f"prefill_chunk={prefill_chunk} ({time.perf_counter() - t0:.1f}s)")
+        graphs = check_graphs(runner, mode, native, processed, log, buckets, select)
+    finally:
+        ops.set_backend(saved[0])
+        ops.set_numerics(saved[1])
+    problems = env_problems(env, lnc, local)
+    n = len(graphs)
+    dc = sum(g.device_clean for g in graphs)
+    dt = sum(g.dtype_ok for g in graphs)
+    k = sum(g.kernel_nodes for g in graphs if g.step)
+    hr = sum(g.host_reads for g in graphs)
+    env_s = "ok" if not problems else "missing:" + ",".join(problems)
+    final = (f"trn2-check: graphs={n} device_clean={dc}/{n} dtype_ok={dt}/{n} kernel_nodes_per_step={k} "
+             f"host_reads={hr} neuron_env={env_s}")
+    ok = n > 0 and dc == n and dt == n and hr == 0 and not problems and k > 0
+    return ok, final, graphs
+
+
+def add_arguments(parser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (its headers, config.json, tokenizer.json; no data)")
+    src.add_argument("--config", help="config.json (or 'release'): the tensor specs come from the config")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: 256 for --checkpoint, 65536 for --config")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="as the served setting (default: its default)")
+    parser.add_argument("--buckets", default="smallest", choices=["all", "corners", "smallest"],
+                        help="decode buckets traced (release.select_buckets) and prefill row buckets: smallest "
+                             "(default: 1 sequence at the shortest context, the fewest prefill rows), corners, all")
+    parser.add_argument("--ops", default="nki-sim", choices=["nki-sim", "torch"],
+                        help="ops backend traced (nki-sim: the kernels as custom ops, what a trn2 rank runs)")
+    parser.add_argument("--no-processed", dest="processed", action="store_false",
+                        help="skip the logit-processing variants of the round graphs")
+
+
+def main(args) -> int:
+    torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
+    ok, final, _ = trn2_check(args.checkpoint, args.config, args.world_size, args.rank, args.max_num_seqs,
+                              args.max_model_len, args.prefill_chunk, args.buckets, args.processed,
+                              log=lambda s: print(s, flush=True), ops_backend=args.ops)
+    print(final, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m v4flash_backend trn2-check")
+    add_arguments(ap)
+    sys.exit(main(ap.parse_args()))
