@@ -26,16 +26,15 @@ _MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIE_UP = (False, True, False, True, False, True, False)
 _E2M1_MIDS = torch.tensor(_MIDS, dtype=torch.float32)
 _E2M1_TIE_UP = torch.tensor(_TIE_UP)
-_VALUES = {"E2M1_TABLE": _GRID + tuple(-v for v in _GRID), "_E2M1_MIDS": _MIDS, "_E2M1_TIE_UP": _TIE_UP}
+_TABLE = _GRID + tuple(-v for v in _GRID)
 
 
-def _table(name: str, like: torch.Tensor) -> torch.Tensor:
-    """The module table `name` on `like`'s device: the CPU one, or the same values made there (a
-    constant of a device graph; a CPU table would meet device tensors)."""
-    t = globals()[name]
+def _table(t: torch.Tensor, values: tuple, like: torch.Tensor) -> torch.Tensor:
+    """Module table t (holding `values`) on `like`'s device: t itself, or the same values made
+    there (a constant of a device graph; a CPU table would meet device tensors)."""
     if t.device == like.device:
         return t
-    return torch.tensor(_VALUES[name], dtype=t.dtype, device=like.device)
+    return torch.tensor(values, dtype=t.dtype, device=like.device)
 
 
 # ---- scalar formats ---------------------------------------------------------------------
@@ -69,13 +68,13 @@ def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values already in [-6, 6] -> 4-bit codes (uint8), round to nearest, ties to even code."""
     mag = x.abs().unsqueeze(-1)
-    mids, tie_up = _table("_E2M1_MIDS", x), _table("_E2M1_TIE_UP", x)
+    mids, tie_up = _table(_E2M1_MIDS, _MIDS, x), _table(_E2M1_TIE_UP, _TIE_UP, x)
     code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    return _table("E2M1_TABLE", x)[e2m1_codes(x).long()]
+    return _table(E2M1_TABLE, _TABLE, x)[e2m1_codes(x).long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8 (or float4_e2m1fn_x2 / uint8) bytes [..., K/2] -> fp32 values [..., K]."""
     b = packed.contiguous().view(torch.uint8)
-    table = _table("E2M1_TABLE", b)
+    table = _table(E2M1_TABLE, _TABLE, b)
     vals = torch.stack([table[(b & 0x0F).long()], table[(b >> 4).long()]], dim=-1)
     return vals.flatten(-2)
 
