@@ -98,9 +98,8 @@ def _forward_only(name):
 
 def test_tiny_forward_graphs_are_device_clean_with_kernels():
     ok, final, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None, select=_forward_only)
-    traced = [g for g in graphs if g.nodes]
-    assert [g.name for g in traced] == ["forward S=1 Q=6 ctx=256", "prefill S=1 Q=16 ctx=256"]
-    for g in traced:
+    assert [g.name for g in graphs] == ["forward S=1 Q=6 ctx=256", "prefill S=1 Q=16 ctx=256"]
+    for g in graphs:
         assert g.device_clean, g.line()
         assert g.kernel_nodes > 0 and g.host_reads == 0, g.line()
 

@@ -397,6 +397,11 @@ def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=N
             first = i == 0 and not proc
             g1 = run(f"round verify {b}{suffix}", runner.graphs.round_verify_graph(b, proc), v_args,
                      step=first and G > 0)
+            d_name = f"round draft {b} {mode_name}{suffix}"
+            if G and not g1.outputs and (select is None or select(d_name)):  # counted: it is served
+                out.append(GraphCheck(d_name, error="not traced: its round verify graph did not trace", step=first))
+                if log:
+                    log(out[-1].line())
             if G and g1.outputs:
                 tokens_out, committed, accepted, stopped, taps, *lp = g1.outputs[:5 + proc]
                 d_args = [taps, committed, tokens_out, accepted, stopped] + [
@@ -404,7 +409,7 @@ def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=N
                                    "len_left", "sps_t", "t_draft", "cal", "fixed_ell")]
                 if proc:
                     d_args += pv + [x["stop_ids"]] + lp
-                run(f"round draft {b} {mode_name}{suffix}", runner.graphs.round_draft_graph(b, mode_name, 0, proc),
+                run(d_name, runner.graphs.round_draft_graph(b, mode_name, 0, proc),
                     d_args, step=first)
             if runner.ngraphs is not None:
                 nb = Bucket(b.seqs, 1, b.ctx)
