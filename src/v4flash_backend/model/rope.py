@@ -40,7 +40,8 @@ class Rope:
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._table.shape[0]:
             n = max(need, 2 * self._table.shape[0], 256)
-            ang = torch.outer(torch.arange(n), self.freqs)  # int positions promote to fp32 as the reference does
+            # int positions promote to fp32 as the reference does; the table grows where freqs live
+            ang = torch.outer(torch.arange(n, device=self.freqs.device), self.freqs)
             self._table = torch.polar(torch.ones_like(ang), ang)
         return self._table[positions.long()]
 
