@@ -74,7 +74,6 @@ KERNEL_NAMESPACE = "v4flash"  # the ops helper registers every NKI kernel as tor
 # Indices, positions, token ids, counters and compressed ids are int64 values below 2^31: allowed.
 SMALL_MULTIPLIER = 1 << 16
 _WIDE_MAKERS = {"mul", "lshift", "bitwise_left_shift", "__lshift__", "pow"}
-_NARROWING = {"bitwise_and", "__and__", "remainder", "fmod"}
 _NO_INT_DATAPATH = {"mm", "bmm", "addmm", "matmul", "dot", "mv", "baddbmm", "index_put", "index_put_",
                     "_unsafe_index_put", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
                     "index_add", "index_add_", "index_copy", "index_copy_", "pow", "all_reduce", "all_reduce_",
@@ -354,16 +353,13 @@ def build_runner(plan: RankPlan, mode):
 
 
 def _prefill_selected(runner, which: str):
+    """The runner's prefill buckets as release.select_prefill_buckets picks them."""
     from .release import _corners, _smallest
 
     pb = runner.pgraphs.buckets if runner.pgraphs is not None else []
-    if not pb or which == "all":
-        return pb
-    # one context bound per row bucket is what the row bucket changes (the graph's rows)
-    by_rows = {}
-    for b in (pb if which == "corners" else _smallest(pb) + _corners(pb)):
-        by_rows.setdefault(b.rows, b)
-    return sorted(by_rows.values(), key=lambda b: b.rows) if which == "corners" else [min(pb, key=lambda b: b.rows)]
+    if not pb:
+        return []
+    return pb if which == "all" else _corners(pb) if which == "corners" else _smallest(pb)
 
 
 def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=None,
@@ -395,8 +391,7 @@ def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=N
             v_args = [x[k] for k in ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed", "rnd",
                                      "budget", "stop_ids")] + pv
             first = i == 0 and not proc
-            g1 = run(f"round verify {b}{suffix}", runner.graphs.round_verify_graph(b, proc), v_args,
-                     step=first and G > 0)
+            g1 = run(f"round verify {b}{suffix}", runner.graphs.round_verify_graph(b, proc), v_args, step=first)
             d_name = f"round draft {b} {mode_name}{suffix}"
             if G and not g1.outputs and (select is None or select(d_name)):  # counted: it is served
                 out.append(GraphCheck(d_name, error="not traced: its round verify graph did not trace", step=first))
