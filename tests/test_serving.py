@@ -251,6 +251,9 @@ def test_the_ensemble_preprocessing_refuses_empty_text_too():
     with pytest.raises(ValueError, match="text_input is empty"):
         pre.input_ids(np.array([b""], dtype=object))
     assert pre.input_ids(np.array([b"hi"], dtype=object)).tolist() == tok.encode("hi").ids
+    # no text_input at all (a client sending `prompt`): the message names the input to send
+    with pytest.raises(ValueError, match="text_input is required.*not prompt"):
+        pre.input_ids(None)
 
 
 def test_max_tokens_beyond_max_model_len_is_refused_and_the_default_is_capped():
