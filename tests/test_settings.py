@@ -21,7 +21,7 @@ def _sample(f):
     """A valid non-default value for a field, as (python value, config.pbtxt string)."""
     if f.metadata["choices"]:
         v = next(c for c in f.metadata["choices"] if c != f.default)
-        return v, v
+        return v, str(v)
     if f.type == "bool":
         return (not f.default), str(not f.default).lower()
     if f.type == "int":
