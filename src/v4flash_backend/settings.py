@@ -90,8 +90,8 @@ class Settings:
         "", "exact (fp64 accumulation: W- and batch-invariant) or reference; empty: $V4FLASH_NUMERICS, "
         "else exact", scope="group", choices=NUMERICS)
     dist_backend: str = setting(
-        "", "torch.distributed backend; empty: $V4FLASH_DIST_BACKEND, else gloo (neuron on trn2)",
-        scope="group", flags=("--backend",))
+        "", "torch.distributed backend; empty: neuron on a Neuron launch (ops_backend nki), else gloo",
+        scope="group", flags=("--backend",), env="V4FLASH_DIST_BACKEND")
     collective_timeout_s: float = setting(
         60.0, "a collective waiting longer than this ends the rank (a dead or hung peer)", scope="group",
         positive=True, flags=("--timeout-s",))

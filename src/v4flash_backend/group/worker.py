@@ -1,4 +1,5 @@
-"""The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
+"""The rank group's worker: `torchrun --nproc-per-node W -m v4flash_backend.group.rank_entry ...` (which
+sets the rank's environment, then becomes `python -m v4flash_backend.group.worker ...`).
 
 Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
 `LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
