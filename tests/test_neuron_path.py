@@ -77,6 +77,26 @@ def test_neuron_backend_without_the_sdk_fails_with_a_hint():
             neuron.compile_step(lambda x: x + 1, neuron.NeuronSettings(backend=backend))
 
 
+def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypatch):
+    """Backend neuron reads the compiler flags from NEURON_CC_FLAGS alone: compile_step refuses to
+    compile when the environment does not carry this launch's flags."""
+    monkeypatch.setattr(neuron, "import_neuron", lambda s: None)  # no Neuron SDK here
+    s = neuron.NeuronSettings()
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")  # a flag set without --lnc / --auto-cast=none / fp8
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --lnc=1")
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --verbose=35")
+    with pytest.raises(Exception) as e:  # past the check: dynamo has no 'neuron' backend without the SDK
+        neuron.compile_step(lambda x: x + 1, s)
+    assert "NEURON_CC_FLAGS" not in str(e.value)
+
+
 def test_compile_step_refuses_host_syncs():
     s = neuron.NeuronSettings(backend="eager")
     ok = neuron.compile_step(lambda x: (x * 2).sum(), s)

@@ -69,6 +69,21 @@ class CompileStats:
     collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
 
 
+def _check_cc_flags(s: NeuronSettings) -> None:
+    """Backend neuron takes no compiler_args: neuronx-cc gets its flags from NEURON_CC_FLAGS only, which
+    group.rank_entry sets. Compiling without them would drop --lnc / --auto-cast=none / the fp8 flag, so
+    every flag of `s` must be there (flags added by others may be too) and no other LNC degree."""
+    import shlex
+
+    from v4flash_backend.settings import flag_lnc
+
+    have = os.environ.get("NEURON_CC_FLAGS", "")
+    missing = [a for a in s.compiler_args if a not in shlex.split(have)]
+    if missing or flag_lnc(have) != s.lnc:
+        raise RuntimeError(f"NEURON_CC_FLAGS {have!r} lacks {missing} or names another LNC than {s.lnc}: start "
+                           "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
+
+
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
     import torch._dynamo
@@ -77,6 +92,8 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
         return fn
     import_neuron(s)
+    if s.backend == "neuron":
+        _check_cc_flags(s)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
     stats = stats if stats is not None else CompileStats()
