@@ -136,3 +136,18 @@ def test_a_neuron_worker_without_its_environment_is_refused(monkeypatch):
         monkeypatch.setenv(k, v)
     worker._check_rank_env(s)  # applied: accepted
     worker._check_rank_env(Settings(ops_backend="torch"))  # CPU ranks need nothing
+
+
+def test_dry_run_prints_the_plan(monkeypatch):
+    import io
+
+    for k in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "V4FLASH_NEURON_CACHE", "V4FLASH_NEURON_BACKEND",
+              "V4FLASH_DIST_BACKEND"):
+        monkeypatch.delenv(k, raising=False)
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    assert rank_entry.main(["--dry-run", "--nnodes", "2", "--settings-json", release_settings().to_json()]) == 0
+    lines = out.getvalue().splitlines()
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("node")] == ["node 0", "node 1"]
+    ranks = [ln for ln in lines if ln.startswith("  rank")]
+    assert len(ranks) == 64 and "NEURON_RT_VISIBLE_CORES=31 " in ranks[-1] and "--auto-cast=none" in ranks[-1]

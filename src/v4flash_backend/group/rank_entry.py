@@ -12,7 +12,7 @@ NEURON_LOGICAL_NC_CONFIG, NEURON_CC_FLAGS, V4FLASH_NEURON_CACHE, V4FLASH_NEURON_
 worker receives the settings with them applied, so every later reader sees one value.
 
 `launch_plan` is the dry run: the torchrun command of each node and the environment of each rank that
-a launch of the given settings would run, without starting anything.
+a launch of the given settings would run, without starting anything (`--dry-run` prints it).
 """
 
 from __future__ import annotations
@@ -72,8 +72,32 @@ def launch_plan(settings: Settings, nnodes: int = 1, python: str = "python", mas
     return plan
 
 
+def print_plan(argv: list[str], out=None) -> int:
+    """`python -m v4flash_backend.group.rank_entry --dry-run [--nnodes N] --settings-json JSON`: print
+    each node's torchrun command and each rank's added environment (with this environment's overrides)."""
+    import shlex
+
+    out = out or sys.stdout
+    nnodes = int(argv[argv.index("--nnodes") + 1]) if "--nnodes" in argv else 1
+    found = _settings_arg(argv)
+    if found is None:
+        out.write("--dry-run needs --settings-json\n")
+        return 2
+    plan = launch_plan(Settings.from_json(found[1]).with_env_overrides(os.environ), nnodes, sys.executable,
+                       environ=dict(os.environ))
+    for r in plan:
+        if r["local_rank"] == 0:
+            out.write(f"node {r['node']}: {shlex.join(r['command'])}\n")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(r["env"].items()))
+        out.write(f"  rank {r['rank']} (local {r['local_rank']}): {env or '(nothing added)'}\n")
+    return 0
+
+
 def main(argv=None) -> int:
-    argv, env, settings = prepare(sys.argv[1:] if argv is None else list(argv), os.environ)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--dry-run"]:
+        return print_plan(argv[1:])
+    argv, env, settings = prepare(argv, os.environ)
     if env:
         from v4flash_backend.trn2.launch import cache_dirs
 
