@@ -138,7 +138,7 @@ def _loop_dtype_inputs(sr: StaticRunner) -> None:
     sr.blocks.counts = sr.blocks.counts.to(loop_dtype())
 
 
-@pytest.mark.parametrize("mode", ["dspark", "fixed"])
+@pytest.mark.parametrize("mode", ["dspark", pytest.param("fixed", marks=pytest.mark.slow)])
 def test_fp32_loop_eager_equals_static_and_makes_no_float64(tiny_model, mode):
     ops.set_numerics("reference")
     assert loop_dtype() == torch.float32
