@@ -9,6 +9,9 @@
   log-probs and admissions at T = 0.8 with a seed (exact equality: the same fp32 ops on the same
   values). The round inputs are given in the loop dtype and the seed as int32 words, the form
   trn2/neuron.py's round_inputs is to build (this test casts them until it does).
+- Captured by dynamo (fullgraph), the static loop forms (Markov drafting, verification, residual,
+  noise, calibrated confidence, admission, log-probs, the read-back pack) hold no float64 node under
+  the fp32 loop, and the noise graph over int32 seed words no 64-bit integer either.
 - Host admission and admit_static agree in fp32 with draft seconds and past the table's last size
   (the shared `staircase_sps`); the read-back's bit-cast round-trips fp32 and fp64 values exactly.
 """
@@ -22,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from v4flash_backend import ops
 from v4flash_backend.engine import noise
+from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import SPSTable, _sps_values, admit, admit_static, sps_tensors, staircase_sps
 from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.precision import loop_dtype, loop_int_dtype, pack_bits, unpack_bits
@@ -30,6 +34,7 @@ from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
 from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.static_round import calibrated_confidence, logprobs_pack, pack
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
@@ -162,3 +167,56 @@ def test_fp32_loop_eager_equals_static_and_makes_no_float64(tiny_model, mode):
     assert (st["admitted"], st["accepted"]) == (est["admitted"], est["accepted"]) and est["admitted"] > 0
     toks = [t for ids, _ in want[0] for t in ids]
     assert len(toks) == 10 and all(lp is not None and isinstance(lp[0][0], float) for _, lp in want[0] if lp)
+
+
+def _graph_dtypes(fn, *args) -> set:
+    """The dtypes of every tensor in the FX graph dynamo captures of fn (fullgraph), and that the
+    compiled function returns what eager returns."""
+    seen = set()
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            v = node.meta.get("example_value")
+            seen.update(t.dtype for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(fn(*args))):
+        assert torch.equal(a, b)
+    return seen
+
+
+def test_captured_noise_graph_is_int32():
+    ops.set_numerics("reference")
+    seed, rnd = noise.seed_words(torch.tensor([7, 2**40 + 3, -1])), torch.tensor([0, 1, 2], dtype=torch.int32)
+    fn = lambda s, r: (noise.call_uniforms(s, r, noise.STREAM_VERIFY, 0, 6),  # noqa: E731
+                       noise.call_uniforms(s, r, noise.STREAM_DRAFT, 3, None))
+    assert _graph_dtypes(fn, seed, rnd) == {torch.int32, torch.float32}
+
+
+def test_captured_loop_graph_has_no_float64():
+    ops.set_numerics("reference")
+    dt = loop_dtype()
+    S, G, V = 2, 3, 31
+    bias = torch.randn(V, V, generator=torch.Generator().manual_seed(0))
+
+    def loop(seed, rnd, U, anchor, T, K, P, lg, conf, live, sps_t, td, cal, stop, budget):
+        u = torch.stack([noise.call_uniforms(seed, rnd, noise.STREAM_DRAFT, j, None) for j in range(G)], 1)
+        blk = markov_draft_static(U, anchor, lambda p: bias[p], T, K, P, u)
+        res = verify_static(lg, blk.tokens, blk.q_token, blk.z, torch.full((S,), G), T, K, P,
+                            noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 0, G),
+                            noise.call_uniforms(seed, rnd, noise.STREAM_VERIFY, 1, None), stop, budget)
+        ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, td)
+        lp = logprobs_pack(lg.reshape(S * (G + 1), V), res.tokens, T, K, P)
+        return pack(res.tokens, res.num_tokens, res.accepted, res.stopped, ell, conf), lp
+
+    g = torch.Generator().manual_seed(1)
+    args = (noise.seed_words(torch.tensor([7, 2**40])), torch.tensor([1, 2], dtype=torch.int32),
+            torch.randn(S, G, V, generator=g), torch.tensor([1, 2]), torch.tensor([0.8, 0.0], dtype=dt),
+            torch.tensor([0, 3]), torch.tensor([1.0, 0.9], dtype=dt), torch.randn(S, G + 1, V, generator=g),
+            torch.randn(S, G, generator=g), torch.tensor([True, True]),
+            pad_sps(sps_tensors(SPSTable([1, 2, 4], [3.0, 2.0, 1.0]))).to(dt), torch.full((S + 1,), 0.01, dtype=dt),
+            torch.tensor([1.3, 0.2]).expand(S, G, 2).to(dt), torch.full((S, 4), -1), torch.tensor([10, 10]))
+    seen = _graph_dtypes(loop, *args)
+    assert torch.float32 in seen and torch.float64 not in seen, seen
