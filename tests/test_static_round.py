@@ -34,7 +34,9 @@ SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
 
 
-def test_static_sampling_forms_equal_the_host_forms():
+@pytest.mark.parametrize("numerics", ["exact", "reference"])  # the loop in fp64 (CPU reference) and in fp32
+def test_static_sampling_forms_equal_the_host_forms(numerics):
+    ops.set_numerics(numerics)
     g = torch.Generator().manual_seed(0)
     R, G, V = 3, 5, 50
     T = torch.tensor([0.8, 0.0, 1.2], dtype=torch.float64)

@@ -30,6 +30,7 @@ from . import dspark_accept as acc
 from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed, sps_tensors
 from .noise import STREAM_DRAFT, STREAM_VERIFY, CounterSampler
+from .precision import loop_dtype, unpack_bits
 from .sampling import (
     LOGPROB_COLS,
     LOGPROB_WIDTH,
@@ -48,8 +49,8 @@ STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the ea
 
 def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
     """The new block's [G] f32 confidence logits in a static round's read-back row (columns
-    2G+5.., float64 bits: trn2.static_round.pack)."""
-    return torch.tensor(row[G + 5:2 * G + 5], dtype=torch.int64).view(torch.float64).float()
+    2G+5.., `loop_dtype` bits: trn2.static_round.pack, `precision.pack_bits`)."""
+    return unpack_bits(row[G + 5:2 * G + 5]).float()
 
 
 STEP_KINDS = ("draft", "probe", "aside")  # decode steps by DSpark decision (stats)
@@ -863,7 +864,8 @@ class Engine:
         parts = [s.draft if (s.draft is not None and s.ell) else None for s in seqs]
         t = torch.stack([p[0] if p else torch.zeros(G, dtype=torch.long) for p in parts])
         pv = torch.stack([p[1] if p else torch.zeros(G, dtype=torch.long) for p in parts])
-        q = torch.stack([p[2].double() if p else torch.ones(G, dtype=torch.float64) for p in parts])
+        dt = loop_dtype()  # q(x) as verify reads it (fp32 under the kernels' numerics, like the round's state)
+        q = torch.stack([p[2].to(dt) if p else torch.ones(G, dtype=dt) for p in parts])
         z = (torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G
              else torch.zeros(len(seqs), 0, V))
         return acc.DraftBlock(tokens=t, prev=pv, q_token=q, z=z)
@@ -923,7 +925,7 @@ class Engine:
     def _output_counts(self, s: _Seq) -> torch.Tensor:
         """[V] how often each id occurs in the request's generated tokens (the prompt does not count)."""
         out = torch.tensor(s.tokens[len(s.req.prompt):], dtype=torch.long)
-        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(torch.float64)
+        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(loop_dtype())  # exact counts either way
 
     def _logprobs(self, s: _Seq, logits: torch.Tensor, tokens: list[int]) -> list | None:
         """[logprob, rank, top alternatives] of each committed token under the (processed) target row
