@@ -142,6 +142,12 @@ class Settings:
     max_queue_size: int = setting(
         64, "requests that may wait for a KV slot beyond the free ones; one more is refused at once "
         "with UNAVAILABLE (server at capacity) instead of queueing without bound", scope="engine", low=0)
+    # ---- deployment: secrets and writable state (issue 34) ----------------------------------------
+    group_secret_file: str = setting(
+        "", "file (mode 600) holding the rank group's shared secret: the workers require it of every socket "
+        "client, the client (rank_group_address) proves it; empty: $V4FLASH_GROUP_SECRET_FILE, else "
+        "$V4FLASH_GROUP_SECRET, else none (the socket then only listens on loopback); a launched group "
+        "generates its own", scope="group", path=True)
 
     def __post_init__(self):
         for f in fields(self):
