@@ -102,10 +102,13 @@ def test_serves_from_a_read_only_checkpoint_with_state_in_state_dir(golden_dir, 
         subprocess.run(["chmod", "-R", "u+w", str(ckpt)], check=True)
 
 
-def test_without_state_dir_nothing_is_written_and_sps_path_wins(tmp_path):
+def test_without_state_dir_nothing_is_written_and_sps_path_wins(tmp_path, monkeypatch):
     from v4flash_backend.settings import Settings
 
+    monkeypatch.delenv("V4FLASH_STATE_DIR", raising=False)
     assert Settings().sps_file == ""  # the default writes no file anywhere
+    monkeypatch.setenv("V4FLASH_STATE_DIR", str(tmp_path / "env"))  # what the images set
+    assert Path(Settings().sps_file).parent == tmp_path / "env"
     s = Settings(checkpoint_dir="/ckpt", state_dir=str(tmp_path))
     assert Path(s.sps_file).parent == tmp_path and Path(s.sps_file).name.startswith("sps-")
     assert s.replace(sps_path="/elsewhere.json").sps_file == "/elsewhere.json"

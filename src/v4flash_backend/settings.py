@@ -151,7 +151,8 @@ class Settings:
     state_dir: str = setting(
         "", "writable directory for the engine's own files (the step-cost profile when sps_path is empty, "
         "reused by later starts), so the checkpoint and model repository can be mounted read-only; "
-        "empty: nothing is written (the profile is taken at every start)", scope="engine", path=True)
+        "empty: $V4FLASH_STATE_DIR (the images set it), else nothing is written (the profile is taken at "
+        "every start)", scope="engine", path=True)
 
     def __post_init__(self):
         for f in fields(self):
@@ -183,17 +184,19 @@ class Settings:
     @property
     def sps_file(self) -> str:
         """Where the step-cost profile is loaded from and saved: sps_path, else a file in state_dir
-        named by what the profile depends on (checkpoint, op and graph backends, ranks, slots, mode),
-        else "" (not saved)."""
-        if self.sps_path or not self.state_dir:
-            return self.sps_path
+        ($V4FLASH_STATE_DIR when empty) named by what the profile depends on (checkpoint, op and
+        graph backends, ranks, slots, mode), else "" (not saved)."""
         import hashlib
         import os
+
+        state_dir = self.state_dir or os.environ.get("V4FLASH_STATE_DIR", "")
+        if self.sps_path or not state_dir:
+            return self.sps_path
 
         key = "|".join(map(str, (os.path.realpath(self.checkpoint_dir or "."), self.ops_backend, self.decode_graph_mode,
                                  self.graph_backend_name, self.world_size, self.pipeline_parallel,
                                  self.max_num_seqs, self.spec_mode)))
-        return os.path.join(self.state_dir, f"sps-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
+        return os.path.join(state_dir, f"sps-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
 
     @property
     def graph_backend_name(self) -> str:
