@@ -86,7 +86,9 @@ def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_r
     multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
     last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
     port_file. ``watch_launcher`` ("PID:START[,PID:START...]", `launcher_identity`): every rank exits
-    when one of those processes is gone (what `launch` passes; a group started by hand has none)."""
+    when one of those processes is gone (what `launch` passes; a group started by hand has none).
+    A host other than loopback needs a shared secret on every node (settings.group_secret_file, or
+    $V4FLASH_GROUP_SECRET_FILE / $V4FLASH_GROUP_SECRET in the node's environment): `group.auth`."""
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
            "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
@@ -269,6 +271,9 @@ class RankGroup:
             time.sleep(0.1)
         with open(port_file) as f:
             info = json.load(f)
+        # every rank read the secret before the port file appeared (worker.load_group_secret runs
+        # first, the port file after the all-ranks barrier): it need not stay on disk
+        os.unlink(secret_file)
         try:
             sock = socket.create_connection((info["host"], info["port"]), timeout=30)
             client_handshake(sock, secret)

@@ -50,8 +50,9 @@ Beyond loopback the server does not start without a secret.
   Every request ends with exactly one final message: a chunk with a finish_reason, or an error.
 
 Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`,
-`rank_group.node_command`) with `--host <reachable address of the driver> --port P`, then point the
-client at that address. With `--pipeline-parallel P` the stages are consecutive blocks of W / P ranks
+`rank_group.node_command`) with `--host <reachable address of the driver> --port P` and the same
+shared secret on every node (group_secret_file; see `auth`), then point the client at that address
+with the secret. With `--pipeline-parallel P` the stages are consecutive blocks of W / P ranks
 (a node each) and the driver (engine, sampling, socket server, plan broadcasts) is the last stage's
 first rank, where the logits are: plans go out from it, boundary payloads go stage to stage
 (`parallel.pipeline`), and ranks of earlier stages skip DSpark plans.
