@@ -355,6 +355,35 @@ def _status(server, method, path, headers=None, body=None):
     return resp.status, data
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a listening TCP socket on `port` (/proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state != "0A" or int(p, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[k:k + 4][::-1] for k in range(0, size, 4))  # each 32-bit word is host order
+            ip = ipaddress.ip_address(raw)
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))  # gRPC binds ::ffff:127.0.0.1
+    return found
+
+
+def test_the_server_listens_on_loopback_only(server):
+    """serve.sh (run_tritonserver.sh) binds HTTP, gRPC and metrics to 127.0.0.1, not tritonserver's
+    default 0.0.0.0: nothing is reachable from another host without a proxy in front."""
+    for url in (server["http"], server["grpc"], server["metrics"].split("//")[1].split("/")[0]):
+        assert _listening_addresses(int(url.rsplit(":", 1)[1])) == {"127.0.0.1"}, url
+
+
 def test_admin_protocols_need_the_key_and_the_rest_stays_open(server):
     """scripts/triton_restrict.sh through serve.sh: shared-memory, model-repository, trace and
     logging refuse a request without the header v4flash-admin-key (gRPC metadata
