@@ -157,6 +157,8 @@ def test_connect_by_address_and_cli_generate(group, tiny_model, capsys, monkeypa
     args = argparse.Namespace(prompt_ids=p, prompt=None, checkpoint=None, max_tokens=5, temperature=0.0, top_k=0,
                               top_p=1.0, seed=None, ignore_eos=True, world_size=None, address=address, python=None,
                               ops="torch")
+    with pytest.raises(RankGroupError, match="requires a shared secret"):
+        rank_group.generate_via_group(args)  # no secret anywhere
     monkeypatch.setenv("V4FLASH_GROUP_SECRET", group.secret.decode())  # the CLI's --address client reads it
     assert rank_group.generate_via_group(args) == 0
     out = capsys.readouterr().out.splitlines()

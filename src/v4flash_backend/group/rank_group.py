@@ -527,6 +527,9 @@ def add_generate_arguments(parser) -> None:
                         help="run through a rank group of W ranks (torchrun) instead of in this process "
                              "(both run the serving Engine with its counter-based noise: same ids)")
     parser.add_argument("--address", default=None, help="use a running rank group at host:port")
+    parser.add_argument("--group-secret-file", default=None,
+                        help="the shared secret of the group at --address (default $V4FLASH_GROUP_SECRET_FILE, "
+                             "else $V4FLASH_GROUP_SECRET)")
     parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
     parser.add_argument("--decode-graph", choices=["eager", "static"], default=None,
                         help="decode steps as the static round graphs or op by op (default: static with "
@@ -612,7 +615,7 @@ def generate_via_group(args) -> int:
     params = generate_params(args)
     t0 = time.perf_counter()
     if args.address:
-        group = RankGroup.connect(args.address)
+        group = RankGroup.connect(args.address, secret_file=getattr(args, "group_secret_file", None))
     else:
         group = RankGroup.launch(generate_settings(args, prompt), python=args.python)
     t1 = time.perf_counter()
