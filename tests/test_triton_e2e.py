@@ -242,6 +242,8 @@ BAD_HTTP = [  # (model, body, what the error message must say)
     ("v4flash_text", {"text_input": "hi", "top_p": 1.5}, r"top_p must be in (0, 1]"),
     ("v4flash", {"input_ids": [1, 2], "max_tokens": MAX_MODEL_LEN - 1}, "[INVALID_ARG] max_tokens 63 does not fit"),
     ("v4flash_text", {"text_input": ""}, "[INVALID_ARG] preprocessing: text_input is empty"),
+    # a client that names the prompt `prompt`: an error, not an empty answer (issue 31)
+    ("v4flash_text", {"prompt": "hi", "max_tokens": 3}, "[INVALID_ARG] preprocessing: text_input is required"),
 ]
 
 

@@ -1,6 +1,6 @@
 """Client of the rank group, used by the Triton model and the CLI.
 
-`RankGroup.launch(...)` starts `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...` in its
+`RankGroup.launch(...)` starts `torchrun --nproc-per-node W -m v4flash_backend.group.rank_entry ...` in its
 own process session with the project's Python (the Triton stub runs another interpreter, so the
 worker's interpreter is never guessed from `sys.executable` alone), waits until rank 0 reports its
 address, and connects; `RankGroup.connect(address)` uses a group someone else started (multi-node:
@@ -87,11 +87,13 @@ def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_r
     last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
     port_file. ``watch_launcher`` ("PID:START[,PID:START...]", `launcher_identity`): every rank exits
     when one of those processes is gone (what `launch` passes; a group started by hand has none).
-    A host other than loopback needs a shared secret on every node (settings.group_secret_file, or
+    Every rank starts in `rank_entry`, which completes its environment (a Neuron launch: its NeuronCore,
+    compiler flags, LNC, compile cache) before torch loads, then runs the worker. A host other than
+    loopback needs a shared secret on every node (settings.group_secret_file, or
     $V4FLASH_GROUP_SECRET_FILE / $V4FLASH_GROUP_SECRET in the node's environment): `group.auth`."""
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
-           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
+           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.rank_entry", "--settings-json", settings.to_json(),
            "--host", host, "--port", str(port)]
     return (cmd + (["--port-file", port_file] if port_file else [])
             + (["--watch-launcher", watch_launcher] if watch_launcher else []))

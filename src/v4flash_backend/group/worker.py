@@ -1,4 +1,5 @@
-"""The rank group's torchrun entry point: `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...`.
+"""The rank group's worker: `torchrun --nproc-per-node W -m v4flash_backend.group.rank_entry ...` (which
+sets the rank's environment, then becomes `python -m v4flash_backend.group.worker ...`).
 
 Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
 `LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
@@ -782,6 +783,7 @@ def main(argv=None) -> int:
     except (AuthError, OSError) as e:
         _log(int(os.environ.get("RANK", "0")), f"error: {e}")
         return 2
+    _check_rank_env(settings)
     _die_with_parent()
     _watch_launcher(args.watch_launcher)
     from v4flash_backend import ops
@@ -845,6 +847,17 @@ def main(argv=None) -> int:
     return code
 
 
+def _check_rank_env(settings) -> None:
+    """A Neuron rank whose environment lacks what `rank_entry` sets (started as `-m ...group.worker`)
+    would compile without the flags or share a NeuronCore: refuse it instead."""
+    from v4flash_backend.trn2.launch import env_mismatch
+
+    wrong = env_mismatch(settings, os.environ, int(os.environ.get("LOCAL_RANK", "0")))
+    if wrong:
+        raise SystemExit(f"rank environment of a Neuron launch not applied ({', '.join(sorted(wrong))}): start the "
+                         "ranks with `torchrun ... -m v4flash_backend.group.rank_entry` (rank_group.node_command)")
+
+
 def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     """This rank's runner: decode_graph static -> the static round graphs (compiled with
     graph_backend, every bucket at start), eager -> the op-by-op LocalRunner. Every rank builds the
@@ -856,8 +869,7 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
                            count_host_syncs=settings.count_host_syncs)
     from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
 
-    ns = NeuronSettings.from_env()
-    ns.backend = settings.graph_backend_name
+    ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
                           prefill_rows=settings.prefill_chunk)
