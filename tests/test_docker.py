@@ -111,8 +111,51 @@ def test_neuron_image_installs_the_neuron_stack():
     cfg = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
     for key in ("world_size", "ops_backend", "startup_timeout_s"):
         assert re.search(rf'key: "{key}".*string_value: "[a-z0-9.-]+"', cfg), key
-    cmd = json.loads([a for i, a in ins if i == "CMD"][0])
-    assert cmd[0] == "tritonserver" and "--model-repository=/opt/v4flash/model_repository" in cmd
+    cmd = json.loads([a for i, a in ins if i == "CMD"][-1])  # the last CMD (HEALTHCHECK's is inline)
+    # tritonserver through the wrapper that restricts the admin protocols (tests/test_triton_restrict.py)
+    assert cmd[:2] == ["bash", "/opt/v4flash/scripts/tritonserver_restricted.sh"]
+    assert "--model-repository=/opt/v4flash/model_repository" in cmd
+    assert (REPO / "scripts" / "tritonserver_restricted.sh").exists()
+
+
+def _env(ins) -> dict:
+    env = {}
+    for i, a in ins:
+        if i == "ENV":
+            env.update(dict(kv.split("=", 1) for kv in shlex.split(a)))
+    return env
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.neuron"])
+def test_images_run_as_a_non_root_user_owning_only_the_state(name):
+    """Least privilege: the final USER is numeric and not 0, set after the last RUN (which creates
+    it with that uid); it owns the state directory (V4FLASH_STATE_DIR, which the engine writes its
+    step-cost profile to: Settings.sps_file) and, in the Neuron image, the compile cache, chowned
+    before the VOLUME so a fresh volume inherits it; nothing under the code / model repository
+    (/opt/v4flash) or the checkpoint (/models) is given to it, so those can be mounted read-only."""
+    ins = instructions(DOCKER / name)
+    users = [(k, a) for k, (i, a) in enumerate(ins) if i == "USER"]
+    assert users, "the image runs as root"
+    k_user, user = users[-1]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0 and (not gid or int(gid) != 0), user
+    assert all(i != "RUN" for i, _ in ins[k_user:]), "a RUN after USER would run as the user, or need root"
+    runs = " ".join(a for i, a in ins if i == "RUN")
+    assert re.search(rf"useradd [^&]*--uid {uid}\b", runs), "the user is not created with that uid"
+    state = _env(ins)["V4FLASH_STATE_DIR"]
+    assert not state.startswith(("/opt/v4flash", "/models"))
+    chowns = re.findall(r"chown (?:-R )?\S+ ([^&]+)", runs)
+    owned = [p for c in chowns for p in c.split()]
+    assert state in owned
+    assert not [p for p in owned if p.startswith(("/opt", "/models"))], owned
+    if name == "Dockerfile.neuron":
+        from v4flash_backend.settings import Settings
+
+        cache = Settings().neuron_cache_dir
+        assert any(cache.startswith(p) for p in owned)
+        k_vol = next(k for k, (i, a) in enumerate(ins) if i == "VOLUME" and cache in a)
+        k_chown = max(k for k, (i, a) in enumerate(ins) if i == "RUN" and "chown" in a)
+        assert k_chown < k_vol  # changes after a VOLUME instruction to its path are discarded
 
 
 def _image_config(tmp_path) -> tuple[dict[str, str], dict[str, str]]:
