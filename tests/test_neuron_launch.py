@@ -104,7 +104,7 @@ def test_overrides_are_read_once_and_reach_the_flags():
 def test_the_rank_entry_gives_the_worker_its_environment(monkeypatch, tmp_path):
     """rank_entry.main (torchrun's module for every rank) becomes the worker with the rank's
     environment, and creates the compile cache."""
-    from v4flash_backend.ops import nki_ops
+    from v4flash_backend.ops import kernel_ops
 
     calls = []
     monkeypatch.setattr(os, "execve", lambda path, args, env: calls.append((path, args, env)))
@@ -119,7 +119,7 @@ def test_the_rank_entry_gives_the_worker_its_environment(monkeypatch, tmp_path):
     assert (tmp_path / "cache" / "neff").is_dir()
     # the kernels' launch grid under that environment is the LNC degree the compiler gets
     monkeypatch.setattr(os, "environ", dict(env))
-    assert nki_ops._grid(True) == 2
+    assert kernel_ops._grid(True) == 2
 
 
 def test_a_neuron_worker_without_its_environment_is_refused(monkeypatch):
