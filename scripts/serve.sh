@@ -24,6 +24,11 @@
 #      tiny checkpoint ../shared/golden/v41-tiny (random weights: serves, but the text is
 #      noise). The choice is printed, and exported as V4FLASH_CHECKPOINT_DIR so that the
 #      preprocessing/postprocessing models load the same tokenizer.
+#
+# Opt-in: V4FLASH_RESTRICT_ADMIN=1 with V4FLASH_ADMIN_KEY_FILE=<file, mode 600> puts Triton's
+# shared-memory, model-repository, trace and logging protocols (HTTP and gRPC) behind the header
+# v4flash-admin-key: <the file's key> (scripts/triton_restrict.sh); inference, health, metadata,
+# model-config, statistics and metrics stay open. The Neuron image does this by default.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -56,10 +61,19 @@ EOF
 )
 export V4FLASH_CHECKPOINT_DIR=$ckpt
 
+restrict=()
+if [[ ${V4FLASH_RESTRICT_ADMIN:-0} == 1 ]]; then
+    # shellcheck source=scripts/triton_restrict.sh
+    source scripts/triton_restrict.sh
+    restrict_args "${V4FLASH_ADMIN_KEY_FILE:-}" || exit 1
+    restrict=("${RESTRICT_ARGS[@]}")
+    echo "[serve] $RESTRICT_APIS restricted to requests with the header $RESTRICT_HEADER" >&2
+fi
+
 echo "[serve] tritonserver on 127.0.0.1: http ${HTTP_PORT:-8000}, grpc ${GRPC_PORT:-8001}, metrics ${METRICS_PORT:-8002}; ready when http://127.0.0.1:${HTTP_PORT:-8000}/v2/health/ready answers 200" >&2
 max_restarts=${SERVE_MAX_RESTARTS:-5}
 if ((max_restarts <= 0)); then
-    exec bash scripts/run_tritonserver.sh "$@"
+    exec bash scripts/run_tritonserver.sh "${restrict[@]}" "$@"
 fi
 
 stopping=0
@@ -76,7 +90,7 @@ while :; do
     # its own session (setsid, same pid: a background job here leads no process group), so that
     # what a crashed server leaves behind can be killed with it; run_tritonserver.sh's foreground
     # mode then execs tritonserver, so $pid is the server's
-    setsid bash scripts/run_tritonserver.sh "$@" &
+    setsid bash scripts/run_tritonserver.sh "${restrict[@]}" "$@" &
     pid=$!
     rc=0
     while :; do  # a trapped signal ends `wait` early: wait again until the server is gone

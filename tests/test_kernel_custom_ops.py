@@ -235,3 +235,73 @@ def test_a_kernel_op_is_one_opaque_call_to_the_host_sync_counter():
         y = nki_ops.rms_norm(args[0], args[1], args[2])
         y[0, 0].item()  # a deliberate host read in the step
     assert hs.calls == {"item": 1} and hs.kernel_calls == {"rms_norm": 1}
+
+
+PROMPT = [0, 17, 230, 5, 99]
+
+
+def _serve(runner, max_tokens=6, **kw):
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.request import GenerateRequest
+    from v4flash_backend.settings import Settings
+
+    eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40))
+    ev = eng.run_request(GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True, **kw))
+    return [e.token_ids for e in ev], eng.stats()
+
+
+def test_static_rounds_with_kernel_ops_read_nothing_unless_the_step_does(small_model, monkeypatch):
+    """The static rounds run op by op (graph backend none) with nki-sim: 0 host syncs per decode step
+    (each kernel is one opaque op); a deliberate `.item()` in the step (after every RMSNorm) is counted."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    def runner():
+        return StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="none"))
+
+    ids, st = _serve(runner(), max_tokens=4)
+    assert st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
+    real = nki_ops.rms_norm
+
+    def reading_rms_norm(x, weight, eps):
+        y = real(x, weight, eps)
+        y.flatten()[0].item()
+        return y
+
+    monkeypatch.setattr(nki_ops, "rms_norm", reading_rms_norm)
+    ids2, st2 = _serve(runner(), max_tokens=4)
+    assert ids2 == ids and st2["host_syncs_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_static_rounds_hold_the_kernels_as_nodes(small_model, monkeypatch):
+    """The served static round graphs with nki-sim, compiled fullgraph with the 'eager' dynamo backend:
+    every captured graph holds the kernels as `v4flash` nodes, and serving gives the tokens of eager
+    nki-sim serving (LocalRunner) with 0 host syncs per decode step."""
+    import torch._dynamo
+
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    real_lookup = torch._dynamo.lookup_backend
+    captured = []
+
+    def lookup(name):
+        inner = real_lookup(name)
+
+        def recording(gm, example_inputs, **kw):
+            captured.append(kernel_ops.kernel_nodes(gm))
+            return inner(gm, example_inputs, **kw)
+
+        return recording
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lookup)
+    torch._dynamo.reset()
+    sr = StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="eager"))
+    got, st = _serve(sr)
+    want, _ = _serve(LocalRunner(small_model, 1, 40))
+    assert got == want
+    assert st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
+    assert captured and all(sum(c.values()) > 0 for c in captured), captured
+    verify = max(captured, key=lambda c: sum(c.values()))
+    assert {"linear_fp8", "rms_norm", "sparse_attn", "hc_mixes", "hc_post"} <= set(verify), verify
+    print("kernel nodes per captured graph:", [sum(c.values()) for c in captured], verify)

@@ -1,7 +1,8 @@
 """The Neuron launch path (`neuron`), exercised on CPU up to the backend call.
 
 - settings and environment: the port's compiler flags, LNC=2, the compile caches, the nki ops with
-  'reference' numerics and the neuron torch.distributed backend; user-set variables win;
+  'reference' numerics and the neuron torch.distributed backend, the view built from `Settings`
+  (tests/test_neuron_launch.py: the served launch that applies them);
 - the Neuron-only packages are imported on that path only (a fresh interpreter that imports the
   package, builds a StaticRunner and runs the engine has none of them loaded), and asking for the
   neuron backend without them fails with an install hint;
@@ -37,21 +38,35 @@ def test_settings_and_env_carry_the_port_flags(tmp_path):
     assert "--auto-cast=none" in env["NEURON_CC_FLAGS"] and "-O1" in env["NEURON_CC_FLAGS"]
     assert env["TORCH_NEURONX_NEFF_CACHE_DIR"].startswith(str(tmp_path / "cache"))
     assert (env["V4FLASH_OPS"], env["V4FLASH_NUMERICS"], env["V4FLASH_DIST_BACKEND"]) == ("nki", "reference", "neuron")
-    assert "NEURON_RT_VISIBLE_CORES" not in env
-    assert neuron.neuron_env(neuron.NeuronSettings(pin_core=True), 3)["NEURON_RT_VISIBLE_CORES"] == "3"
+    assert env["NEURON_RT_VISIBLE_CORES"] == "3"  # pinned by default (Settings.neuron_pin_cores)
+    assert "NEURON_RT_VISIBLE_CORES" not in neuron.neuron_env(neuron.NeuronSettings(pin_core=False), 3)
+    assert "NEURON_RT_VISIBLE_CORES" not in neuron.neuron_env(s)  # no local rank: nothing to pin
     environ = {"V4FLASH_OPS": "nki-sim"}
     added = neuron.apply_env(s, environ)
-    assert environ["V4FLASH_OPS"] == "nki-sim" and "V4FLASH_OPS" not in added  # user settings win
+    assert environ["V4FLASH_OPS"] == "nki-sim" and "V4FLASH_OPS" not in added  # values already set win
     assert environ["NEURON_CC_FLAGS"] == env["NEURON_CC_FLAGS"] and (tmp_path / "cache").is_dir()
 
 
-def test_settings_from_env():
-    s = neuron.NeuronSettings.from_env({"NEURON_CC_FLAGS": "-O2 --lnc=2 --internal-x='a b'",
-                                        "NEURON_LOGICAL_NC_CONFIG": "1", "V4FLASH_NEURON_BACKEND": "neuron_libtorch",
-                                        "V4FLASH_NEURON_CACHE": "/tmp/c"})
-    assert s.compiler_args == ("-O2", "--lnc=1", "--internal-x=a b")
-    assert (s.lnc, s.backend, s.cache_dir) == (1, "neuron_libtorch", "/tmp/c")
-    assert neuron.NeuronSettings.from_env({}) == neuron.NeuronSettings()
+def test_the_neuron_view_comes_from_the_settings():
+    """NeuronSettings is built from Settings (no schema of its own): the flags follow neuron_lnc, the
+    override replaces the built-in set (getting --lnc when it names none), the extra flags are
+    appended, and a flag string naming another LNC degree is refused."""
+    from v4flash_backend.settings import Settings
+
+    v = neuron.NeuronSettings.from_settings(Settings(ops_backend="nki"))
+    assert v == neuron.NeuronSettings()  # the view's defaults are the schema's
+    v = neuron.NeuronSettings.from_settings(Settings(
+        ops_backend="nki", neuron_lnc=1, neuron_cc_flags_override="-O2 --internal-x='a b'",
+        neuron_cc_flags="--verbose=35", neuron_cache_dir="/tmp/c", graph_backend="neuron_libtorch",
+        neuron_pin_cores=False))
+    assert v.compiler_args == ("--lnc=1", "-O2", "--internal-x=a b", "--verbose=35")
+    assert (v.lnc, v.backend, v.cache_dir, v.pin_core) == (1, "neuron_libtorch", "/tmp/c", False)
+    assert neuron.NeuronSettings(lnc=1).compiler_args == tuple(
+        "--lnc=1" if a == "--lnc=2" else a for a in neuron.NeuronSettings().compiler_args)
+    for bad in (dict(neuron_cc_flags_override="--lnc=1 -O2"), dict(neuron_cc_flags="--logical-nc-config 1"),
+                dict(neuron_lnc=1, neuron_cc_flags="--lnc 2")):
+        with pytest.raises(ValueError, match="one LNC degree"):
+            Settings(ops_backend="nki", **bad)
 
 
 def test_neuron_backend_without_the_sdk_fails_with_a_hint():
@@ -60,6 +75,26 @@ def test_neuron_backend_without_the_sdk_fails_with_a_hint():
     for backend in ("neuron", "neuron_libtorch"):
         with pytest.raises(RuntimeError, match="requirements-neuron"):
             neuron.compile_step(lambda x: x + 1, neuron.NeuronSettings(backend=backend))
+
+
+def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypatch):
+    """Backend neuron reads the compiler flags from NEURON_CC_FLAGS alone: compile_step refuses to
+    compile when the environment does not carry this launch's flags."""
+    monkeypatch.setattr(neuron, "import_neuron", lambda s: None)  # no Neuron SDK here
+    s = neuron.NeuronSettings()
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")  # a flag set without --lnc / --auto-cast=none / fp8
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --lnc=1")
+    with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
+        neuron.compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --verbose=35")
+    with pytest.raises(Exception) as e:  # past the check: dynamo has no 'neuron' backend without the SDK
+        neuron.compile_step(lambda x: x + 1, s)
+    assert "NEURON_CC_FLAGS" not in str(e.value)
 
 
 def test_compile_step_refuses_host_syncs():

@@ -251,6 +251,9 @@ def test_the_ensemble_preprocessing_refuses_empty_text_too():
     with pytest.raises(ValueError, match="text_input is empty"):
         pre.input_ids(np.array([b""], dtype=object))
     assert pre.input_ids(np.array([b"hi"], dtype=object)).tolist() == tok.encode("hi").ids
+    # no text_input at all (a client sending `prompt`): the message names the input to send
+    with pytest.raises(ValueError, match="text_input is required.*not prompt"):
+        pre.input_ids(None)
 
 
 def test_max_tokens_beyond_max_model_len_is_refused_and_the_default_is_capped():
@@ -420,6 +423,17 @@ class Sink:
         return self.sent
 
 
+def wait_until(pred, timeout_s=5.0):
+    """Poll pred until it holds (then True) or timeout_s passes (False): the service's sender and
+    stats threads update what the tests read, so tests wait for the state, not for a time."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _service(backend, metrics=None):
     return GenerateService(backend, parser(), None, metrics, log=lambda m: None, poll_s=0.01, stats_interval_s=0.02)
 
@@ -459,15 +473,15 @@ def test_engine_errors_and_cancellation_end_with_final_error():
         # the backend is told, and the engine's final "cancelled" becomes a CANCELLED error.
         waiting = Sink()
         rid = svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, waiting)
-        time.sleep(0.05)
-        assert not waiting.sent and svc.in_flight() == 1 and metrics.in_flight.value == 1
+        assert wait_until(lambda: svc.in_flight() == 1 and metrics.in_flight.value == 1)
+        assert not waiting.sent
         waiting.cancelled = True
         [(outputs, err, final)] = waiting.wait()
         assert backend.cancelled == [rid] and final and outputs is None and err.code == "CANCELLED"
         assert svc.in_flight() == 0 and metrics.in_flight.value == 0
         assert metrics.finished["cancelled"].value == 1 and metrics.finished["error"].value == 1
         backend.slots = 3
-        time.sleep(0.1)
+        assert wait_until(lambda: metrics.slots_in_use.value == 3)  # the next stats refresh
         assert metrics.slots_in_use.value == 3 and metrics.slots_total.value == 4
         assert metrics.graphs_per_step.value == 2.0 and metrics.host_syncs_per_step.value == 0.0
         assert metrics.h2d_bytes_per_step.value == 412.0 and metrics.decode_steps.value == 10
@@ -500,15 +514,10 @@ def test_a_full_engine_queue_is_unavailable_and_counted():
         [(outputs, err, final)] = sink.wait()
         assert final and outputs is None and err.code == "UNAVAILABLE" and "at capacity" in err.message
         assert svc.in_flight() == 0 and m.finished["error"].value == 1
-        deadline = time.monotonic() + 5
-        while m.rejected.value < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: m.rejected.value == 2 and m.waiting.value == 5 and m.expired.value == 1)
         assert m.waiting.value == 5 and m.rejected.value == 2 and m.expired.value == 1
         backend.stats_reply = {"waiting": 0, "rejected": 1, "expired": 1, "restarts": 1}  # a fresh group
-        deadline = time.monotonic() + 5
-        while m.rejected.value < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
+        assert wait_until(lambda: m.rejected.value == 3 and m.waiting.value == 0 and m.expired.value == 2)
         assert m.waiting.value == 0 and m.rejected.value == 3 and m.expired.value == 2
     finally:
         svc.close()
@@ -612,7 +621,7 @@ def test_every_stub_call_runs_on_the_sender_thread():
     svc.handle({"input_ids": i32(0), "stream": np.array([True])}, None, held)
     refused.wait()
     streamed.wait()
-    time.sleep(0.1)  # stats refreshes
+    assert wait_until(lambda: m.slots_total.value == 4)  # a stats refresh has run (close() must not be first)
     finished, slots_total = m.finished, m.slots_total  # close() drops them
     svc.close(drain_s=0.1)
     assert held.sent[-1][1].code == "UNAVAILABLE" and refused.sent[-1][1].code == "INVALID_ARG"
@@ -707,9 +716,7 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
         assert first.submitted[1][:3] == ([0, 7], req.sampling(), "r1")
         assert backend.stats()["slots_in_use"] == 2
         first.alive, first.failure = False, "rank 1 died"  # the group goes down
-        deadline = time.monotonic() + 5
-        while backend.restarts == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: backend.restarts > 0)
         assert backend.restarts == 1 and len(FakeGroup.launched) == 2 and first.shut_down
         assert FakeGroup.launched[1][1] == {"watch_also": (4242,)}  # a restarted group too
         second = FakeGroup.launched[1][2]

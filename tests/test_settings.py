@@ -21,7 +21,7 @@ def _sample(f):
     """A valid non-default value for a field, as (python value, config.pbtxt string)."""
     if f.metadata["choices"]:
         v = next(c for c in f.metadata["choices"] if c != f.default)
-        return v, v
+        return v, str(v)
     if f.type == "bool":
         return (not f.default), str(not f.default).lower()
     if f.type == "int":
@@ -100,3 +100,19 @@ def test_model_parameters_of_a_triton_config_round_trip():
     cfg = {"parameters": {"max_num_seqs": {"string_value": "4"}, "tokenizer_dir": {"string_value": ""}}}
     s, unknown = Settings.from_params(model_parameters(cfg))
     assert s.max_num_seqs == 4 and s.tokenizer_dir == "" and unknown == {}
+
+
+def test_environment_overrides_are_declared_on_their_fields():
+    """The variables that override settings are named on the fields (`env=`) and read by
+    `with_env_overrides` alone: each sets its own field; empty or undeclared variables change nothing."""
+    declared = {f.metadata["env"]: f for f in fields(Settings) if f.metadata["env"]}
+    assert {"NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "V4FLASH_NEURON_CACHE", "V4FLASH_NEURON_BACKEND",
+            "V4FLASH_DIST_BACKEND"} <= set(declared)
+    base = Settings()
+    for var, f in declared.items():
+        value, text = _sample(f)
+        if var == "NEURON_CC_FLAGS":
+            value = text = "-O2"
+        assert base.with_env_overrides({var: text}) == base.replace(**{f.name: value}), var
+    assert base.with_env_overrides({"V4FLASH_MAX_NUM_SEQS": "3", "NEURON_LOGICAL_NC_CONFIG": " "}) == base
+    assert "`$NEURON_CC_FLAGS`" in Settings.markdown_table()

@@ -35,6 +35,7 @@ SLOTS = 4
 PROMPT_IDS = [0, 17, 250, 33, 901, 12]
 PROMPT_TEXT = "Once upon a time"
 N = 8  # max_tokens of most requests
+ADMIN_KEY = "test-admin-key-0123456789abcdef"
 
 
 def _set_param(config: str, key: str, value: str) -> str:
@@ -71,8 +72,13 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_e2e")
     repo = _build_repository(root)
     log_path = root / "tritonserver.log"
+    # the administrative protocols behind a key (serve.sh's opt-in): every test of this module
+    # then shows that inference, streaming, health, metadata, statistics and metrics are unaffected
+    key_file = root / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    key_file.chmod(0o600)
     # the rank group has its own session, stopped by the v4flash model's finalize()
-    proc, server = start_serve(repo, log_path)
+    proc, server = start_serve(repo, log_path, V4FLASH_RESTRICT_ADMIN="1", V4FLASH_ADMIN_KEY_FILE=str(key_file))
     try:
         wait_ready(proc, server["http_port"], log_path, READY_TIMEOUT_S, tail=6000)
         yield server
@@ -236,6 +242,8 @@ BAD_HTTP = [  # (model, body, what the error message must say)
     ("v4flash_text", {"text_input": "hi", "top_p": 1.5}, r"top_p must be in (0, 1]"),
     ("v4flash", {"input_ids": [1, 2], "max_tokens": MAX_MODEL_LEN - 1}, "[INVALID_ARG] max_tokens 63 does not fit"),
     ("v4flash_text", {"text_input": ""}, "[INVALID_ARG] preprocessing: text_input is empty"),
+    # a client that names the prompt `prompt`: an error, not an empty answer (issue 31)
+    ("v4flash_text", {"prompt": "hi", "max_tokens": 3}, "[INVALID_ARG] preprocessing: text_input is required"),
 ]
 
 
@@ -337,6 +345,87 @@ def test_closing_an_http_sse_stream_cancels_the_request(server):
     after = _wait_metrics(server, lambda m: m[key] > before[key] and m["v4flash:kv_slots_in_use"] == 0)
     assert after[key] == before[key] + 1 and after["v4flash:kv_slots_in_use"] == 0
     assert after["v4flash:generation_tokens_total"] - before["v4flash:generation_tokens_total"] < 40
+
+
+def _status(server, method, path, headers=None, body=None):
+    host, port = server["http"].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(method, path, body, headers or {})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a listening TCP socket on `port` (/proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state != "0A" or int(p, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[k:k + 4][::-1] for k in range(0, size, 4))  # each 32-bit word is host order
+            ip = ipaddress.ip_address(raw)
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))  # gRPC binds ::ffff:127.0.0.1
+    return found
+
+
+def test_the_server_listens_on_loopback_only(server):
+    """serve.sh (run_tritonserver.sh) binds HTTP, gRPC and metrics to 127.0.0.1, not tritonserver's
+    default 0.0.0.0: nothing is reachable from another host without a proxy in front."""
+    for url in (server["http"], server["grpc"], server["metrics"].split("//")[1].split("/")[0]):
+        assert _listening_addresses(int(url.rsplit(":", 1)[1])) == {"127.0.0.1"}, url
+
+
+def test_admin_protocols_need_the_key_and_the_rest_stays_open(server):
+    """scripts/triton_restrict.sh through serve.sh: shared-memory, model-repository, trace and
+    logging refuse a request without the header v4flash-admin-key (gRPC metadata
+    triton-grpc-protocol-v4flash-admin-key) or with a wrong key, on HTTP and gRPC, and serve it with
+    the key; health, metadata, model config, statistics, metrics and a
+    streamed inference need nothing."""
+    from tritonclient.utils import InferenceServerException
+
+    key = {"v4flash-admin-key": ADMIN_KEY}
+    wrong = {"v4flash-admin-key": ADMIN_KEY[:-1] + "X"}
+    admin_http = [("POST", "/v2/repository/index", "{}"), ("GET", "/v2/systemsharedmemory/status", None),
+                  ("GET", "/v2/trace/setting", None), ("GET", "/v2/logging", None)]
+    for method, path, body in admin_http:
+        for headers in (None, wrong):
+            status, data = _status(server, method, path, headers, body)
+            assert status == 403 and b"restricted" in data.lower(), (path, headers, status, data)
+        status, data = _status(server, method, path, key, body)
+        assert status == 200, (path, status, data)
+    for path in ("/v2/health/ready", "/v2/models/v4flash", "/v2/models/v4flash/config", "/v2/models/v4flash/stats",
+                 "/v2"):
+        assert _status(server, "GET", path)[0] == 200, path
+    assert urllib.request.urlopen(server["metrics"], timeout=10).status == 200
+
+    # gRPC: tritonserver 2.51 expects the metadata key with its own prefix (its error names it)
+    key = {"triton-grpc-protocol-v4flash-admin-key": ADMIN_KEY}
+    wrong = {"triton-grpc-protocol-v4flash-admin-key": ADMIN_KEY[:-1] + "X"}
+    client = grpcclient.InferenceServerClient(server["grpc"])
+    admin_grpc = [lambda **h: client.get_model_repository_index(**h),
+                  lambda **h: client.get_system_shared_memory_status(**h),
+                  lambda **h: client.get_trace_settings(**h), lambda **h: client.get_log_settings(**h)]
+    for call in admin_grpc:
+        for headers in ({}, {"headers": wrong}):
+            with pytest.raises(InferenceServerException, match="(?i)restricted"):
+                call(**headers)
+        call(headers=key)
+    assert client.is_server_ready() and client.get_model_metadata("v4flash").name == "v4flash"
+    assert client.get_inference_statistics("v4flash").model_stats
+    chunks = _grpc(server, model="v4flash", input_ids=PROMPT_IDS, max_tokens=4)
+    assert len(chunks) > 1 and sum(len(c.output_ids) for c in chunks) == 4  # streamed, no key
+    client.close()
 
 
 def test_metrics_endpoint_counts_a_request(server):

@@ -364,3 +364,36 @@ def test_ensemble_generate_stream_over_http(server):
     assert len(events) > 1 and all("error" not in e for e in events)
     assert "".join(e["text_output"] for e in events) == text
     assert events[-1]["finish_reason"] == "stop"
+
+
+MISSING_TEXT = "text_input is required"
+
+
+def test_ensemble_without_text_input_is_invalid_arg(server):
+    """A client that names the prompt `prompt` (or sends none) gets INVALID_ARG naming text_input,
+    over HTTP SSE and a gRPC stream alike, not an empty stream with HTTP 200 (issue 31: Triton's
+    count of required inputs let `stream` alone through, and the preprocessing step never ran)."""
+    host, port = server["http"].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v2/models/v4flash_text/generate_stream", json.dumps({"prompt": "hi", "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    assert resp.status == 400, (resp.status, data)
+    assert "[INVALID_ARG]" in data.decode() and MISSING_TEXT in data.decode(), data
+
+    errors, client = [], grpcclient.InferenceServerClient(server["grpc"])
+    stream = grpcclient.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    try:
+        client.async_stream_infer("v4flash_text", [stream])
+        deadline = time.monotonic() + 30
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        client.stop_stream()
+    assert errors and errors[0] is not None and MISSING_TEXT in str(errors[0]), errors
+    # the ensemble keeps serving
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in _ensemble_stream(server, "ok")) == "ok"

@@ -8,7 +8,12 @@ Everything else is derived from `Settings`:
   short legacy spellings listed in `flags`), `from_args` reads them back;
 - the rank-group launch: rank 0 and its followers receive the settings as one JSON object
   (`to_json` / `from_json`, the way vllm_backend hands its engine args over);
-- the README's parameter table (`markdown_table`; tests/test_settings.py compares the two).
+- the README's parameter table (`markdown_table`; tests/test_settings.py compares the two);
+- the Neuron launch (`trn2.launch`): every rank's environment (NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG,
+  NEURON_RT_VISIBLE_CORES, the compile caches) comes from the `neuron_*` fields.
+
+A few settings name an environment variable (`env=`) that overrides them: `with_env_overrides` is the
+one place those variables are read (by `group.rank_entry`, before a rank imports torch).
 
 Adding a setting = adding one field below (see the README's contributor notes).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -34,12 +40,13 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def setting(default, doc: str, *, scope: str, choices: tuple | None = None, low: float | None = None,
-            positive: bool = False, path: bool = False, flags: tuple[str, ...] = ()):
+            positive: bool = False, path: bool = False, flags: tuple[str, ...] = (), env: str = ""):
     """A field of `Settings`. scope: who reads it (serving = the Triton model, group = every rank
     of the rank group, engine = rank 0's engine). path: a filesystem path (relative values start
-    at the model repository root when read from config.pbtxt). flags: extra CLI spellings."""
+    at the model repository root when read from config.pbtxt). flags: extra CLI spellings. env: an
+    environment variable that overrides the value when set and non-empty (`with_env_overrides`)."""
     return field(default=default, metadata=dict(doc=doc, scope=scope, choices=choices, low=low,
-                                                 positive=positive, path=path, flags=flags))
+                                                 positive=positive, path=path, flags=flags, env=env))
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,8 @@ class Settings:
         "", "exact (fp64 accumulation: W- and batch-invariant) or reference; empty: $V4FLASH_NUMERICS, "
         "else exact", scope="group", choices=NUMERICS)
     dist_backend: str = setting(
-        "", "torch.distributed backend; empty: $V4FLASH_DIST_BACKEND, else gloo (neuron on trn2)",
-        scope="group", flags=("--backend",))
+        "", "torch.distributed backend; empty: neuron on a Neuron launch (ops_backend nki), else gloo",
+        scope="group", flags=("--backend",), env="V4FLASH_DIST_BACKEND")
     collective_timeout_s: float = setting(
         60.0, "a collective waiting longer than this ends the rank (a dead or hung peer)", scope="group",
         positive=True, flags=("--timeout-s",))
@@ -97,7 +104,7 @@ class Settings:
         "empty: static when ops_backend is nki, else " + CPU_DECODE_GRAPH, scope="group", choices=DECODE_GRAPHS)
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
-        "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS)
+        "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
     count_host_syncs: bool = setting(
         False, "eager decode: count the host syncs of every forward (the engine stats' "
         "host_syncs_per_step; a hook on every torch call, 30-40 % of a CPU forward; `generate "
@@ -105,6 +112,25 @@ class Settings:
     warm_processed: bool = setting(
         True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs) at "
         "start; false: at its first use", scope="group")
+    # ---- group, Neuron launch (ops_backend nki): every rank's environment (trn2/launch.py) -------
+    neuron_lnc: int = setting(
+        2, "logical NeuronCore degree: every rank's NEURON_LOGICAL_NC_CONFIG, neuronx-cc's --lnc and the NKI "
+        "kernels' launch grid (they must agree); 2 on trn2: 64 ranks on a trn2.48xlarge", scope="group",
+        choices=(1, 2), env="NEURON_LOGICAL_NC_CONFIG")
+    neuron_cc_flags: str = setting(
+        "", "neuronx-cc flags appended to the built-in set (--lnc, --auto-cast=none, the fp8 e4m3fn-as-e4m3 "
+        "flag, -O1, ...) in every rank's NEURON_CC_FLAGS", scope="group")
+    neuron_cc_flags_override: str = setting(
+        "", "a neuronx-cc flag string that replaces the built-in set (neuron_cc_flags is still appended, "
+        "--lnc=neuron_lnc is added when it names none); empty: the built-in set", scope="group",
+        env="NEURON_CC_FLAGS")
+    neuron_cache_dir: str = setting(
+        "/var/cache/v4flash/neuron", "persistent compile cache of a Neuron launch (the NEFF, HLO and neuronx-cc "
+        "caches below it): a restart loads the compiled graphs instead of compiling them", scope="group",
+        path=True, env="V4FLASH_NEURON_CACHE")
+    neuron_pin_cores: bool = setting(
+        True, "a Neuron launch shows each rank only its own logical NeuronCore (NEURON_RT_VISIBLE_CORES = "
+        "its local rank); false: the runtime's default placement", scope="group")
     # ---- engine: rank 0 ------------------------------------------------------------------------
     max_num_seqs: int = setting(8, "KV slots: requests decoded together", scope="engine", low=1)
     max_model_len: int = setting(1024, "prompt + generated tokens per request", scope="engine", low=2)
@@ -142,6 +168,17 @@ class Settings:
     max_queue_size: int = setting(
         64, "requests that may wait for a KV slot beyond the free ones; one more is refused at once "
         "with UNAVAILABLE (server at capacity) instead of queueing without bound", scope="engine", low=0)
+    # ---- deployment: secrets and writable state (issue 34) ----------------------------------------
+    group_secret_file: str = setting(
+        "", "file (mode 600) holding the rank group's shared secret: the workers require it of every socket "
+        "client, the client (rank_group_address) proves it; empty: $V4FLASH_GROUP_SECRET_FILE, else "
+        "$V4FLASH_GROUP_SECRET, else none (the socket then only listens on loopback); a launched group "
+        "generates its own", scope="group", path=True)
+    state_dir: str = setting(
+        "", "writable directory for the engine's own files (the step-cost profile when sps_path is empty, "
+        "reused by later starts), so the checkpoint and model repository can be mounted read-only; "
+        "empty: $V4FLASH_STATE_DIR (the images set it), else nothing is written (the profile is taken at "
+        "every start)", scope="engine", path=True)
 
     def __post_init__(self):
         for f in fields(self):
@@ -157,6 +194,13 @@ class Settings:
         if not self.heartbeat_s < self.collective_timeout_s / 2:
             raise ValueError("setting 'heartbeat_s' must be below half of collective_timeout_s "
                              "(idle followers wait for it)")
+        for name in ("neuron_cc_flags_override", "neuron_cc_flags"):
+            lnc = flag_lnc(getattr(self, name), name)
+            if lnc is not None and lnc != self.neuron_lnc:
+                # neuronx-cc and the runtime must use one LNC degree, and the NKI kernels' grid with them
+                # (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF066.html)
+                raise ValueError(f"setting {name!r} gives --lnc={lnc} but neuron_lnc is {self.neuron_lnc}: "
+                                 "the compiler, the runtime and the kernels must use one LNC degree")
 
     # ---- derived views --------------------------------------------------------------------------
     @property
@@ -171,6 +215,23 @@ class Settings:
         return "static" if self.ops_backend == "nki" else CPU_DECODE_GRAPH
 
     @property
+    def sps_file(self) -> str:
+        """Where the step-cost profile is loaded from and saved: sps_path, else a file in state_dir
+        ($V4FLASH_STATE_DIR when empty) named by what the profile depends on (checkpoint, op and
+        graph backends, ranks, slots, mode), else "" (not saved)."""
+        import hashlib
+        import os
+
+        state_dir = self.state_dir or os.environ.get("V4FLASH_STATE_DIR", "")
+        if self.sps_path or not state_dir:
+            return self.sps_path
+
+        key = "|".join(map(str, (os.path.realpath(self.checkpoint_dir or "."), self.ops_backend, self.decode_graph_mode,
+                                 self.graph_backend_name, self.world_size, self.pipeline_parallel,
+                                 self.max_num_seqs, self.spec_mode)))
+        return os.path.join(state_dir, f"sps-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
+
+    @property
     def graph_backend_name(self) -> str:
         if self.graph_backend:
             return self.graph_backend
@@ -178,6 +239,16 @@ class Settings:
 
     def replace(self, **changes) -> "Settings":
         return replace(self, **changes)
+
+    def with_env_overrides(self, environ=None) -> "Settings":
+        """These settings with every `env=` variable that is set and non-empty in `environ` (default
+        os.environ) applied: the one place the documented override variables are read."""
+        import os
+
+        environ = os.environ if environ is None else environ
+        changes = {f.name: _parse(f, environ[f.metadata["env"]]) for f in fields(self)
+                   if f.metadata["env"] and environ.get(f.metadata["env"], "").strip()}
+        return replace(self, **changes) if changes else self
 
     # ---- config.pbtxt ---------------------------------------------------------------------------
     @classmethod
@@ -232,10 +303,10 @@ class Settings:
             kw: dict[str, Any] = dict(dest=f.name, default=None, help=f"{f.metadata['doc']} (default {f.default!r})")
             if f.type in ("bool", bool):
                 kw["type"] = lambda raw, _k=f.name: _parse_bool(_k, raw)
-            elif f.metadata["choices"]:
-                kw["choices"] = list(f.metadata["choices"])
             else:
                 kw["type"] = _PY_TYPES[str(f.type)]
+                if f.metadata["choices"]:
+                    kw["choices"] = list(f.metadata["choices"])
             ap.add_argument(*names, **kw)
 
     @classmethod
@@ -253,12 +324,33 @@ class Settings:
             if isinstance(default, bool):
                 default = str(default).lower()
             choices = f.metadata["choices"]
-            doc = f.metadata["doc"] + (f" ({' / '.join(c for c in choices if c)})" if choices else "")
+            doc = f.metadata["doc"] + (f" ({' / '.join(str(c) for c in choices if c)})" if choices else "")
+            if f.metadata["env"]:
+                doc += f"; overridden by `${f.metadata['env']}` when set"
             rows.append(f"| `{f.name}` | `{default}` | {f.metadata['scope']} | {doc} |")
         return "\n".join(rows)
 
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_LNC_FLAGS = ("--lnc", "-lnc", "--logical-nc-config")  # neuronx-cc's spellings of the LNC option
+
+
+def flag_lnc(flags: str, name: str = "flags") -> int | None:
+    """The LNC degree a neuronx-cc flag string names (`--lnc=2`, `--lnc 2`, `--logical-nc-config 2`),
+    or None when it names none."""
+    words = shlex.split(flags)
+    found = None
+    for i, w in enumerate(words):
+        key, eq, value = w.partition("=")
+        if key not in _LNC_FLAGS:
+            continue
+        if not eq:
+            value = words[i + 1] if i + 1 < len(words) else ""
+        try:
+            found = int(value)
+        except ValueError:
+            raise ValueError(f"setting {name!r}: {key} needs an integer, got {value!r}") from None
+    return found
 
 
 def _parse_bool(key: str, raw) -> bool:

@@ -38,9 +38,9 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+            text = pb_utils.get_input_tensor_by_name(request, "text_input")  # None when not sent
             try:
-                ids = self._pre.input_ids(text)
+                ids = self._pre.input_ids(None if text is None else text.as_numpy())
             except ValueError as exc:
                 responses.append(_invalid_arg(f"preprocessing: {exc}"))
                 continue

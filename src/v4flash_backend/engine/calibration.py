@@ -24,6 +24,11 @@ accepted >= k (every earlier draft accepted). Calibrated conditionals make calib
 
 The fitted temperatures are stored beside the checkpoint (`dspark_calibration.json`, format below)
 and loaded by the engine; `python -m v4flash_backend.training.calibrate` fits them on held-out text.
+
+Dtypes: `Calibration.confidence`, which the engine's admission reads, computes in
+`precision.loop_dtype()` (fp32 under the kernels' numerics, as the static rounds'
+`calibrated_confidence` does in the graph); the fits (offline and the online refits) stay float64:
+they run on the host over observed logits and never inside a graph.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .precision import loop_dtype
 
 FILE_NAME = "dspark_calibration.json"
 FORMAT = "v4flash-dspark-calibration"
@@ -252,8 +259,9 @@ class Calibration:
 
     def confidence(self, logits: torch.Tensor, regimes: list[str]) -> torch.Tensor:
         """c [R, G] = sigmoid(logits / T_k + b_k) with each row's regime."""
-        p = torch.tensor([self.of(r) for r in regimes], dtype=torch.float64).reshape(*logits.shape, 2)
-        return torch.sigmoid(logits.double() / p[..., 0] + p[..., 1]).float()
+        dt = loop_dtype()  # the static rounds' calibrated_confidence runs the same ops in the same dtype
+        p = torch.tensor([self.of(r) for r in regimes], dtype=dt).reshape(*logits.shape, 2)
+        return torch.sigmoid(logits.to(dt) / p[..., 0] + p[..., 1]).float()
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "gamma": self.gamma,

@@ -303,7 +303,7 @@ def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: to
     rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731 - params per verify row
     probs = process_logits_static(target_logits.reshape(S * G1, V), rep(temperature), rep(top_k),
                                   rep(top_p)).view(S, G1, V)
-    steps = torch.arange(G1, device=target_logits.device)
+    steps = torch.arange(G1, device=ell.device)
     rows = torch.minimum(steps[None, :], ell[:, None])  # [S, G+1] the clamped verify row of step i
     in_play = steps[None, :G] < ell[:, None]
     p_rows = probs.gather(1, rows[:, :G, None].expand(S, G, V))  # p_i for i < G (clamped)
@@ -311,7 +311,7 @@ def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: to
     q_tok = q_token.to(probs.dtype)
     accept_prob = torch.clamp(p_tok / q_tok.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
     accept_prob = torch.where(in_play, accept_prob, torch.zeros_like(accept_prob))
-    acc = (u_accept < accept_prob.to(torch.float64)) & in_play
+    acc = (u_accept < accept_prob.to(u_accept.dtype)) & in_play  # as CounterSampler.bernoulli: in the noise's dtype
     n_acc = torch.cumprod(acc.to(torch.int64), 1).sum(1)
     final_row = rows.gather(1, n_acc[:, None]).squeeze(1)
     dist = probs.gather(1, final_row[:, None, None].expand(S, 1, V)).squeeze(1)  # p at the final row

@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .precision import loop_dtype
+
 SPSLike = Union["SPSTable", Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -176,10 +178,46 @@ class SPSTable:
 # --------------------------------------------------------------------------- admission
 
 
-def _sps_values(sps: SPSLike, b: torch.Tensor) -> torch.Tensor:
+class DraftStepSPS:
+    """SPS(B) of a step that drafts: 1 / (1 / table(B) + t_draft), the forward's staircase table plus
+    the draft stages' seconds (`StepCost.sps_for`). The static rounds' admission computes the same
+    function from its inputs (sps_t, t_draft), so `admit` recognises this form and runs those ops."""
+
+    def __init__(self, table: SPSTable, t_draft: float):
+        self.table, self.t_draft = table, float(t_draft)
+
+    def __call__(self, B: torch.Tensor) -> torch.Tensor:
+        return 1.0 / (1.0 / self.table.lookup(B) + self.t_draft)
+
+
+def staircase_sps(sizes: torch.Tensor, vals: torch.Tensor, B: torch.Tensor,
+                  t_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """SPS at int B of a floor table (sizes ascending, int; vals in the loop dtype), tokens/s held past
+    the largest size, optionally with draft seconds t_draft (a 0-dim tensor; <= 0: none): the ops
+    of `SPSTable.lookup` (floor) and `DraftStepSPS` in `vals.dtype`. Shared by the host `admit` and
+    `admit_static`, so both read bit-identical values in fp32 (in fp64 they equal the table's lookup)."""
+    dt = vals.dtype
+    idx = (torch.searchsorted(sizes, B, right=True) - 1).clamp(min=0)
+    bmax = sizes[-1]
+    sps_b = torch.where(B > bmax, vals[-1] * bmax.to(dt) / B.to(dt), vals[idx])
+    if t_draft is not None:
+        sps_b = torch.where(t_draft > 0, 1.0 / (1.0 / sps_b + t_draft), sps_b)
+    return sps_b
+
+
+def _sps_values(sps: SPSLike, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """SPS(b) in dt. fp64: the table's own lookup (the CPU reference, as it always was). fp32 (the
+    kernels' numerics): a floor table, or one with draft seconds, runs `staircase_sps` -- the static
+    rounds' ops -- so eager and static admission agree bit for bit; an interpolated table (the eager
+    runner's profile, which no static round reads) is looked up in fp64 and rounded."""
+    if dt != torch.float64:
+        table, td = (sps.table, sps.t_draft) if isinstance(sps, DraftStepSPS) else (sps, None)
+        if isinstance(table, SPSTable) and not table.interpolate:
+            return staircase_sps(table._sizes_t, table._sps_t.to(dt), b,
+                                 None if td is None else torch.tensor(td, dtype=dt))
     if isinstance(sps, SPSTable):
-        return sps.lookup(b)
-    return torch.as_tensor(sps(b), dtype=torch.float64)
+        return sps.lookup(b).to(dt)
+    return torch.as_tensor(sps(b), dtype=torch.float64).to(dt)
 
 
 def _admit(c: torch.Tensor, sps: SPSLike, early_stop: bool, extra_tokens: int = 0) -> torch.Tensor:
@@ -187,8 +225,10 @@ def _admit(c: torch.Tensor, sps: SPSLike, early_stop: bool, extra_tokens: int = 
     if c.dim() < 2:
         raise ValueError("c must be [R, gamma] (or [..., R, gamma] for independent batches)")
     device = c.device
-    # fp64 on the host: R * gamma entries are few, and exact ties must compare exactly.
-    c64 = c.detach().to("cpu", torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    # on the host, in the loop dtype (fp64 for the CPU reference: exact ties compare exactly; fp32
+    # under the kernels' numerics, as admit_static in the graph, so both admit the same drafts)
+    dt = loop_dtype()
+    c64 = c.detach().to("cpu", dt).nan_to_num(0.0).clamp(0.0, 1.0)
     *lead, R, G = c64.shape
     M = R * G
     if M == 0:
@@ -201,10 +241,10 @@ def _admit(c: torch.Tensor, sps: SPSLike, early_stop: bool, extra_tokens: int = 
     a_sorted = -a_sorted
     valid = a_sorted > 0  # Alg. 1 only walks entries with a > 0; those sort first
     B0 = R + int(extra_tokens)  # tokens in the forward before any draft: anchors + other work
-    sps_b = _sps_values(sps, torch.arange(B0, B0 + M + 1, dtype=torch.int64))  # B = B0 .. B0 + M
+    sps_b = _sps_values(sps, torch.arange(B0, B0 + M + 1, dtype=torch.int64), dt)  # B = B0 .. B0 + M
     tau = R + torch.cumsum(a_sorted, dim=-1)
     val = tau * sps_b[1:]  # value after admitting k = 1..M entries
-    base = torch.full((*lead, 1), R * float(sps_b[0]), dtype=torch.float64)
+    base = torch.full((*lead, 1), R * float(sps_b[0]), dtype=dt)  # exact product, rounded once: as R * sps in dt
     if early_stop:
         prev = torch.cat([base, val[..., :-1]], dim=-1)
         ok = (val > prev) & valid
@@ -248,10 +288,11 @@ def admit_fixed(R: int, n: int, gamma: Optional[int] = None, device=None) -> tor
 
 
 def sps_tensors(sps: "SPSTable") -> torch.Tensor:
-    """The SPS table as one float64 tensor [2, n] (sizes; smoothed steps/s): an input of the static
-    draft graph, so `admit_static` runs inside it (floor lookup: a static runner's table is a
-    staircase of its buckets, never interpolated)."""
-    return torch.stack([sps._sizes_t.double(), sps._sps_t])
+    """The SPS table as one `loop_dtype()` tensor [2, n] (sizes, exact in fp32 below 2^24; smoothed
+    steps/s): an input of the static draft graph, so `admit_static` runs inside it (floor lookup: a
+    static runner's table is a staircase of its buckets, never interpolated)."""
+    dt = loop_dtype()
+    return torch.stack([sps._sizes_t.to(dt), sps._sps_t.to(dt)])
 
 
 def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
@@ -260,10 +301,13 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
     confidences, live [S] bool (the rows admit sees; the others get 0 and do not count in R),
     sps_t = sps_tensors(table). Row by row equal to admit(c[live], table): the rows that are not
     live have survival 0, sort behind every live entry and are never admitted, and the j-major
-    tie order among live entries is the same. t_draft [>= S + 1] f64 (dspark_adaptive): the draft
+    tie order among live entries is the same. t_draft [>= S + 1] (dspark_adaptive): the draft
     seconds by R; with t_draft[R] > 0 the table is `StepCost.sps_for(R)`'s, 1 / (1 / SPS(B) +
-    t_draft[R]), the same float64 operations (R, the live rows, is only known inside the graph)."""
-    c64 = c.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    t_draft[R]) (`staircase_sps`, R, the live rows, is only known inside the graph). All float math
+    in `loop_dtype()` (sps_t / t_draft are expected in it: a cast of a matching input is a no-op)."""
+    dt = loop_dtype()
+    dev = c.device
+    c64 = c.detach().to(dt).nan_to_num(0.0).clamp(0.0, 1.0)
     c64 = torch.where(live[:, None], c64, torch.zeros_like(c64))
     S, G = c64.shape
     M = S * G
@@ -273,20 +317,17 @@ def admit_static(c: torch.Tensor, live: torch.Tensor, sps_t: torch.Tensor,
     a_sorted, order = torch.sort(-a_e, stable=True)
     a_sorted = -a_sorted
     valid = a_sorted > 0
-    sizes, vals = sps_t[0].long(), sps_t[1]
-    B = R + torch.arange(M + 1, device=c.device)
-    idx = (torch.searchsorted(sizes, B, right=True) - 1).clamp(min=0)
-    bmax = sizes[-1]
-    sps_b = torch.where(B > bmax, vals[-1] * bmax.double() / B.double(), vals[idx])
+    B = R + torch.arange(M + 1, device=dev)
+    td = None
     if t_draft is not None:
-        td = t_draft.gather(0, R.reshape(1)).reshape(())  # a gather, not t_draft[R]: no host read of R
-        sps_b = torch.where(td > 0, 1.0 / (1.0 / sps_b + td), sps_b)
-    tau = R.double() + torch.cumsum(a_sorted, dim=-1)
+        td = t_draft.to(dt).gather(0, R.reshape(1)).reshape(())  # a gather, not t_draft[R]: no host read of R
+    sps_b = staircase_sps(sps_t[0].long(), sps_t[1].to(dt), B, td)
+    tau = R.to(dt) + torch.cumsum(a_sorted, dim=-1)
     val = tau * sps_b[1:]
-    base = (R.double() * sps_b[0]).reshape(1)
+    base = (R.to(dt) * sps_b[0]).reshape(1)
     prev = torch.cat([base, val[:-1]])
     ok = (val > prev) & valid
     n_adm = torch.cumprod(ok.to(torch.int64), dim=-1).sum()
-    admitted_sorted = torch.arange(M, device=c.device) < n_adm
-    admitted = torch.zeros(M, dtype=torch.bool, device=c.device).scatter(0, order, admitted_sorted)
+    admitted_sorted = torch.arange(M, device=dev) < n_adm
+    admitted = torch.zeros(M, dtype=torch.bool, device=dev).scatter(0, order, admitted_sorted)
     return admitted.reshape(G, S).sum(0)

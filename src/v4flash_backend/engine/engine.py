@@ -30,6 +30,7 @@ from . import dspark_accept as acc
 from .calibration import Calibration, OnlineCalibrator, regime
 from .dspark_sched import SPSTable, admit, admit_fixed, sps_tensors
 from .noise import STREAM_DRAFT, STREAM_VERIFY, CounterSampler
+from .precision import loop_dtype, unpack_bits
 from .sampling import (
     LOGPROB_COLS,
     LOGPROB_WIDTH,
@@ -48,8 +49,8 @@ STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the ea
 
 def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
     """The new block's [G] f32 confidence logits in a static round's read-back row (columns
-    2G+5.., float64 bits: trn2.static_round.pack)."""
-    return torch.tensor(row[G + 5:2 * G + 5], dtype=torch.int64).view(torch.float64).float()
+    2G+5.., `loop_dtype` bits: trn2.static_round.pack, `precision.pack_bits`)."""
+    return unpack_bits(row[G + 5:2 * G + 5]).float()
 
 
 STEP_KINDS = ("draft", "probe", "aside")  # decode steps by DSpark decision (stats)
@@ -311,8 +312,8 @@ class Engine:
             return self.cost
         import os
 
-        if self.cfg.sps_path and os.path.exists(self.cfg.sps_path):
-            self.cost = StepCost.load(self.cfg.sps_path)
+        if self.cfg.sps_file and os.path.exists(self.cfg.sps_file):
+            self.cost = StepCost.load(self.cfg.sps_file)
             return self.cost
         scratch = self.runner.state.num_slots - 1
         top = self.cfg.max_num_seqs * (1 + self.gamma)
@@ -361,8 +362,7 @@ class Engine:
         for slot in slots:
             self.runner.reset_slot(slot)
         self.cost = StepCost(by_seqs[1], draft_s, replaced, by_seqs=by_seqs)
-        if self.cfg.sps_path:
-            self.cost.save(self.cfg.sps_path)
+        self._save_cost()
         return self.cost
 
     def _static_cost(self, sizes: list[int], scratch: int) -> StepCost:
@@ -396,9 +396,21 @@ class Engine:
         draft_s = {S: max(full[S] - alone[S], 0.0) for S in range(1, N + 1)}
         self.runner.reset_slot(scratch)
         self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, [])
-        if self.cfg.sps_path:
-            self.cost.save(self.cfg.sps_path)
+        self._save_cost()
         return self.cost
+
+    def _save_cost(self) -> None:
+        """The profile to sps_path or the state directory (`Settings.sps_file`), never elsewhere:
+        written beside and renamed, so a server starting meanwhile reads a whole file or none."""
+        import os
+
+        path = self.cfg.sps_file
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self.cost.save(tmp)
+        os.replace(tmp, path)
 
     def _sampler_for(self, R: int):
         return CounterSampler(list(range(R)), [0] * R, STREAM_DRAFT)
@@ -863,7 +875,8 @@ class Engine:
         parts = [s.draft if (s.draft is not None and s.ell) else None for s in seqs]
         t = torch.stack([p[0] if p else torch.zeros(G, dtype=torch.long) for p in parts])
         pv = torch.stack([p[1] if p else torch.zeros(G, dtype=torch.long) for p in parts])
-        q = torch.stack([p[2].double() if p else torch.ones(G, dtype=torch.float64) for p in parts])
+        dt = loop_dtype()  # q(x) as verify reads it (fp32 under the kernels' numerics, like the round's state)
+        q = torch.stack([p[2].to(dt) if p else torch.ones(G, dtype=dt) for p in parts])
         z = (torch.stack([p[3].float() if p else torch.zeros(G, V) for p in parts]) if G
              else torch.zeros(len(seqs), 0, V))
         return acc.DraftBlock(tokens=t, prev=pv, q_token=q, z=z)
@@ -923,7 +936,7 @@ class Engine:
     def _output_counts(self, s: _Seq) -> torch.Tensor:
         """[V] how often each id occurs in the request's generated tokens (the prompt does not count)."""
         out = torch.tensor(s.tokens[len(s.req.prompt):], dtype=torch.long)
-        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(torch.float64)
+        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(loop_dtype())  # exact counts either way
 
     def _logprobs(self, s: _Seq, logits: torch.Tensor, tokens: list[int]) -> list | None:
         """[logprob, rank, top alternatives] of each committed token under the (processed) target row

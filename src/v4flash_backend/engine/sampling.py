@@ -18,6 +18,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .precision import loop_dtype, unpack_bits
+
 # Temperatures below this are greedy. The same cut-off as DeepSpec's evaluator (T < 1e-5):
 # dividing logits by such a temperature would overflow fp32 anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -61,11 +63,13 @@ class SamplingParams:
 
     @staticmethod
     def make(n: int, temperature=1.0, top_k=0, top_p=1.0, device=None) -> "SamplingParams":
-        """Scalars broadcast to all n rows; sequences/tensors give one value per row."""
+        """Scalars broadcast to all n rows; sequences/tensors give one value per row. temperature and
+        top_p in `loop_dtype()`, as the static rounds take them (a greedy cut-off compared in another
+        type could decide otherwise at the edge)."""
         return SamplingParams(
-            temperature=_per_row(temperature, n, torch.float64, device),
+            temperature=_per_row(temperature, n, loop_dtype(), device),
             top_k=_per_row(top_k, n, torch.int64, device),
-            top_p=_per_row(top_p, n, torch.float64, device),
+            top_p=_per_row(top_p, n, loop_dtype(), device),
         )
 
     def __len__(self) -> int:
@@ -155,7 +159,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def process_logits_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                           top_p: torch.Tensor) -> torch.Tensor:
     """`process_logits` without host reads (no `bool(...)` on the params, no row subsets): the
-    form the static decode graphs run. logits [N, V]; temperature (float64) / top_k / top_p [N].
+    form the static decode graphs run. logits [N, V]; temperature (`loop_dtype`) / top_k / top_p [N].
     Row by row it computes the same values as `process_logits` (every row goes through the
     filters, which keep everything for a row that does not filter; greedy rows are one-hot), so
     eager serving and the graphs sample from bit-identical distributions (tests/test_sampling.py)."""
@@ -290,9 +294,10 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.T
     """Log-probabilities of `tokens` [N] under the distribution row r is sampled from:
     log(process_logits(logits, params)) (after temperature, top-k, top-p). Greedy rows, whose
     sampling distribution is a point mass, report log_softmax of the logits (T = 1, unfiltered).
-    Returns (logprob [N] fp64, rank [N] (1 = most likely), top_ids [N, top_n], top_logprob [N, top_n]);
-    tokens outside the filtered support of the top_n alternatives have -inf."""
-    x = logits.to(torch.float64)
+    Returns (logprob [N] in `loop_dtype()`, rank [N] (1 = most likely), top_ids [N, top_n], top_logprob
+    [N, top_n]); tokens outside the filtered support of the top_n alternatives have -inf. The static
+    rounds' form is trn2/static_round.logprobs_pack (the same ops in the same dtype)."""
+    x = logits.to(loop_dtype())
     lp = torch.log(process_logits(x, params))
     greedy = params.greedy.to(x.device)
     if bool(greedy.any()):
@@ -305,17 +310,14 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.T
 
 def unpack_logprobs(row: list[int], k: int, top_n: int) -> list:
     """A static round's log-probs pack (trn2/static_round.logprobs_pack: per token LOGPROB_COLS int64,
-    float64 values bit-cast) for one sequence's first k committed tokens, as the engine reports them:
-    [logprob, rank, [[id, logprob], ...the first top_n alternatives in the support]]."""
-    import struct
-
-    def f(v: int) -> float:
-        return struct.unpack("<d", struct.pack("<q", v))[0]
-
+    `loop_dtype` values bit-cast by `precision.pack_bits`) for one sequence's first k committed tokens,
+    as the engine reports them: [logprob, rank, [[id, logprob], ...the first top_n alternatives in the
+    support]]."""
     out = []
     for j in range(k):
         c = row[j * LOGPROB_COLS:(j + 1) * LOGPROB_COLS]
-        ids, lps = c[2:2 + LOGPROB_WIDTH], [f(v) for v in c[2 + LOGPROB_WIDTH:]]
-        alts = [[int(t), v] for t, v in zip(ids[:top_n], lps[:top_n]) if v > float("-inf")]
-        out.append([f(c[0]), int(c[1]), alts])
+        ids = c[2:2 + LOGPROB_WIDTH]
+        vals = unpack_bits([c[0]] + c[2 + LOGPROB_WIDTH:]).tolist()
+        alts = [[int(t), v] for t, v in zip(ids[:top_n], vals[1:1 + top_n]) if v > float("-inf")]
+        out.append([vals[0], int(c[1]), alts])
     return out

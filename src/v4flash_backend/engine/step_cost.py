@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .dspark_sched import SPSTable
+from .dspark_sched import DraftStepSPS, SPSTable
 
 FORMAT = "v4flash-step-cost"
 
@@ -129,7 +129,7 @@ class StepCost:
     def forward_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """SPS(B) of a forward over R sequences (no draft stages)."""
         if not self.by_seqs:
-            return self.forward.lookup
+            return self.forward  # the table itself (callable): admit then knows the static rounds' form
         return lambda B: 1.0 / self.t_forward(B, R)
 
     def sps_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -137,6 +137,8 @@ class StepCost:
         td = self.t_draft(R)
         if td == 0:  # the forward's table itself (what the static rounds' admission reads then)
             return self.forward_for(R)
+        if not self.by_seqs:  # the static rounds' form (admit_static's t_draft input): admit knows it
+            return DraftStepSPS(self.forward, td)
         return lambda B: 1.0 / (self.t_forward(B, R) + td)
 
     # ---- persistence ---------------------------------------------------------------------------

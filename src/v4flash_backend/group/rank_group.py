@@ -1,6 +1,6 @@
 """Client of the rank group, used by the Triton model and the CLI.
 
-`RankGroup.launch(...)` starts `torchrun --nproc-per-node W -m v4flash_backend.group.worker ...` in its
+`RankGroup.launch(...)` starts `torchrun --nproc-per-node W -m v4flash_backend.group.rank_entry ...` in its
 own process session with the project's Python (the Triton stub runs another interpreter, so the
 worker's interpreter is never guessed from `sys.executable` alone), waits until rank 0 reports its
 address, and connects; `RankGroup.connect(address)` uses a group someone else started (multi-node:
@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from v4flash_backend.group.auth import AuthError, client_handshake, load_secret, new_secret, write_secret
 from v4flash_backend.request import RequestError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/src/v4flash_backend (or site-packages/...)
@@ -85,10 +86,14 @@ def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_r
     multi-node group runs one per node, the same settings everywhere). The driver (rank 0, or the
     last pipeline stage's first rank, whichever node holds it) listens on host:port and writes
     port_file. ``watch_launcher`` ("PID:START[,PID:START...]", `launcher_identity`): every rank exits
-    when one of those processes is gone (what `launch` passes; a group started by hand has none)."""
+    when one of those processes is gone (what `launch` passes; a group started by hand has none).
+    Every rank starts in `rank_entry`, which completes its environment (a Neuron launch: its NeuronCore,
+    compiler flags, LNC, compile cache) before torch loads, then runs the worker. A host other than
+    loopback needs a shared secret on every node (settings.group_secret_file, or
+    $V4FLASH_GROUP_SECRET_FILE / $V4FLASH_GROUP_SECRET in the node's environment): `group.auth`."""
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port),
-           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.worker", "--settings-json", settings.to_json(),
+           "--monitor-interval", "0.5", "-m", "v4flash_backend.group.rank_entry", "--settings-json", settings.to_json(),
            "--host", host, "--port", str(port)]
     return (cmd + (["--port-file", port_file] if port_file else [])
             + (["--watch-launcher", watch_launcher] if watch_launcher else []))
@@ -199,6 +204,7 @@ class RankGroup:
         self.log_path = log_path
         self.workdir = workdir  # port file + log of a launched group; removed after a clean exit
         self.failure: str | None = None
+        self.secret: bytes | None = None  # what this client proved (a launched group's own, per launch)
         self.streams: dict[str, Stream] = {}
         self.replies: dict[str, queue.Queue] = {}
         self.lock = threading.Lock()
@@ -224,12 +230,16 @@ class RankGroup:
         group (the Triton model passes the server's: a stub can hang instead of exiting when the
         server under it dies, see `serving.rank_group_client`)."""
         py = project_python(python)
-        workdir = tempfile.mkdtemp(prefix="v4flash-group-")
+        workdir = tempfile.mkdtemp(prefix="v4flash-group-")  # mode 0700
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
-        cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
-                           "127.0.0.1", 0, port_file,
+        # a fresh secret per launch, to the workers as a 0600 file (its path, not the secret, is on
+        # the command line): other local users reaching the loopback port cannot drive the group
+        secret = new_secret()
+        secret_file = write_secret(os.path.join(workdir, "secret"), secret)
+        cmd = node_command(settings.replace(group_secret_file=secret_file), py, nproc_per_node or settings.world_size,
+                           1, 0, "127.0.0.1", free_port(), "127.0.0.1", 0, port_file,
                            watch_launcher=",".join(launcher_identity(p) for p in (os.getpid(), *watch_also)))
         if tie_to_thread is None:
             tie_to_thread = threading.current_thread() is threading.main_thread()
@@ -263,18 +273,32 @@ class RankGroup:
             time.sleep(0.1)
         with open(port_file) as f:
             info = json.load(f)
+        # every rank read the secret before the port file appeared (worker.load_group_secret runs
+        # first, the port file after the all-ranks barrier): it need not stay on disk
+        os.unlink(secret_file)
         try:
             sock = socket.create_connection((info["host"], info["port"]), timeout=30)
-        except OSError:
+            client_handshake(sock, secret)
+        except (OSError, AuthError) as e:
             _kill_group(proc)
-            raise
+            raise RankGroupError(f"cannot connect to the launched rank group: {e}") from None
         sock.settimeout(None)
-        return cls(sock, proc, info, launch_args, log_path, workdir)
+        g = cls(sock, proc, info, launch_args, log_path, workdir)
+        g.secret = secret
+        return g
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 30.0) -> "RankGroup":
-        """Use a group started elsewhere (e.g. one torchrun per node) whose rank 0 serves `address`."""
+    def connect(cls, address: str, timeout_s: float = 30.0, secret: bytes | None = None,
+                secret_file: str | None = None) -> "RankGroup":
+        """Use a group started elsewhere (e.g. one torchrun per node) whose rank 0 serves `address`.
+        The shared secret, when the group requires one: `secret`, else `auth.load_secret(secret_file)`
+        (the file, $V4FLASH_GROUP_SECRET_FILE, $V4FLASH_GROUP_SECRET). A refused secret raises at once
+        (RankGroupError); only an unreachable address is retried."""
         host, port = parse_address(address)
+        try:
+            secret = secret if secret is not None else load_secret(secret_file or None)
+        except (AuthError, OSError) as e:
+            raise RankGroupError(f"rank group secret: {e}") from None
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -284,8 +308,14 @@ class RankGroup:
                 if time.monotonic() > deadline:
                     raise RankGroupError(f"cannot reach the rank group at {address}: {e}") from None
                 time.sleep(0.5)
+        try:
+            client_handshake(sock, secret, timeout_s=min(30.0, max(1.0, timeout_s)))
+        except (AuthError, OSError) as e:
+            sock.close()
+            raise RankGroupError(f"rank group at {address}: {e}") from None
         sock.settimeout(None)
         g = cls(sock)
+        g.secret = secret
         g.info = {k: v for k, v in g.health(timeout=timeout_s).items() if k not in ("event", "tag")}
         g.info.update(host=host, port=port)
         return g
@@ -499,6 +529,9 @@ def add_generate_arguments(parser) -> None:
                         help="run through a rank group of W ranks (torchrun) instead of in this process "
                              "(both run the serving Engine with its counter-based noise: same ids)")
     parser.add_argument("--address", default=None, help="use a running rank group at host:port")
+    parser.add_argument("--group-secret-file", default=None,
+                        help="the shared secret of the group at --address (default $V4FLASH_GROUP_SECRET_FILE, "
+                             "else $V4FLASH_GROUP_SECRET)")
     parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
     parser.add_argument("--decode-graph", choices=["eager", "static"], default=None,
                         help="decode steps as the static round graphs or op by op (default: static with "
@@ -584,7 +617,7 @@ def generate_via_group(args) -> int:
     params = generate_params(args)
     t0 = time.perf_counter()
     if args.address:
-        group = RankGroup.connect(args.address)
+        group = RankGroup.connect(args.address, secret_file=getattr(args, "group_secret_file", None))
     else:
         group = RankGroup.launch(generate_settings(args, prompt), python=args.python)
     t1 = time.perf_counter()

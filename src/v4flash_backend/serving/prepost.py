@@ -101,8 +101,13 @@ class Preprocessor:
         tokenizer = Tokenizer.from_file(str(find_tokenizer(params, model_dir)))
         return cls(tokenizer, param_bool(params, "add_special_tokens", True))
 
-    def input_ids(self, text_input: np.ndarray) -> np.ndarray:
-        """INT32 [n] ids of the one string in ``text_input``; ValueError on bad input."""
+    def input_ids(self, text_input: np.ndarray | None) -> np.ndarray:
+        """INT32 [n] ids of the one string in ``text_input``; ValueError on bad input, None included
+        (the ensemble declares text_input optional so that a request without it reaches this check:
+        with it required, Triton 2.51 counted `stream` alone as enough inputs and answered nothing)."""
+        if text_input is None:
+            raise ValueError("text_input is required: the v4flash_text ensemble takes the prompt as "
+                             "text_input (STRING), not prompt or input_ids (send token ids to v4flash)")
         text = _one_string(text_input, "text_input")
         # "" is refused, not served as a BOS-only prompt (the v4flash model's rule, request.py)
         ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids if text else []

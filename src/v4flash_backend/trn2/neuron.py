@@ -1,10 +1,8 @@
 """The Neuron (trn2) launch path of the static decode step.
 
-- `NeuronSettings` / `neuron_env`: the compiler flags the port needed (`--auto-cast=none`, the fp8
-  e4m3fn-as-e4m3 tensorizer flag -- trn2's PE has no e4m3fn -- `-O1`, `--lnc=2`, transformer model
-  type), LNC=2 (64 logical cores on a trn2.48xlarge), the NEFF / HLO compile caches, the `neuron`
-  torch.distributed backend and the `nki` ops backend with 'reference' numerics (no fp64 on a
-  NeuronCore). `apply_env` only fills what the environment does not already set.
+- `NeuronSettings` / `neuron_env` / `apply_env` (from `trn2.launch`, torch-free): the Neuron view of
+  `Settings` (LNC, compiler flags, compile cache, dist backend, core pinning) and the environment of
+  one rank of a Neuron launch; `group.rank_entry` applies it to every rank before torch loads.
 - `compile_step`: torch.compile(fullgraph=True, dynamic=False) through a checking backend that
   rejects a graph with a host sync left in it (`static_step.graph_host_syncs`) and then hands the
   graph to the Neuron backend (`neuron` = torch-neuronx / TorchNeuron, or `neuron_libtorch` =
@@ -32,6 +30,7 @@ from v4flash_backend import ops
 from v4flash_backend.engine.precision import loop_dtype
 from v4flash_backend.engine.runner import LocalRunner
 
+from .launch import NeuronSettings, apply_env, neuron_env  # noqa: F401 - the Neuron launch (settings -> env)
 from .static_step import (
     BoundarySpy,
     Bucket,
@@ -42,85 +41,12 @@ from .static_step import (
     pick_bucket,
 )
 
-# neuronx-cc arguments of the served graphs (the port's set; see module docstring)
-COMPILER_ARGS = (
-    "--target=trn2",
-    "--lnc=2",
-    "--model-type=transformer",
-    "-O1",
-    "--auto-cast=none",
-    "--enable-fast-loading-neuron-binaries",
-    "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3",
-)
+COMPILER_ARGS = NeuronSettings().compiler_args  # the default neuronx-cc flags (trn2.launch builds them)
 NEURON_BACKENDS = {"neuron": "torch_neuronx", "neuron_libtorch": "libtorch_neuronx_lite"}
 
 
 class HostSyncInGraph(RuntimeError):
     """A graph of the static step still reads device values on the host."""
-
-
-@dataclass
-class NeuronSettings:
-    lnc: int = 2
-    backend: str = "neuron"  # torch.compile backend: neuron | neuron_libtorch | (CPU) eager | none (no compile)
-    compiler_args: tuple[str, ...] = COMPILER_ARGS
-    cache_dir: str = "/var/cache/v4flash/neuron"
-    dist_backend: str = "neuron"
-    pin_core: bool = False  # set NEURON_RT_VISIBLE_CORES to the local rank (one logical core per process)
-
-    @classmethod
-    def from_env(cls, env=None) -> "NeuronSettings":
-        env = os.environ if env is None else env
-        s = cls()
-        if env.get("V4FLASH_NEURON_BACKEND"):
-            s.backend = env["V4FLASH_NEURON_BACKEND"]
-        if env.get("V4FLASH_NEURON_CACHE"):
-            s.cache_dir = env["V4FLASH_NEURON_CACHE"]
-        if env.get("NEURON_LOGICAL_NC_CONFIG"):
-            s.lnc = int(env["NEURON_LOGICAL_NC_CONFIG"])
-        if env.get("NEURON_CC_FLAGS"):  # an explicit flag string replaces ours
-            import shlex
-
-            s.compiler_args = tuple(shlex.split(env["NEURON_CC_FLAGS"]))
-        if s.lnc != 2:
-            s.compiler_args = tuple(f"--lnc={s.lnc}" if a.startswith("--lnc") else a for a in s.compiler_args)
-        return s
-
-
-def neuron_env(s: NeuronSettings, local_rank: int | None = None) -> dict[str, str]:
-    """The environment of one serving rank on a trn2 (set before torch_neuronx is imported)."""
-    import shlex
-
-    env = {
-        "NEURON_LOGICAL_NC_CONFIG": str(s.lnc),
-        "NEURON_RT_VIRTUAL_CORE_SIZE": str(s.lnc),
-        "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
-        "NEURON_CC_FLAGS": " ".join(shlex.quote(a) for a in s.compiler_args),
-        # compiled graphs persist across restarts: a warm start loads NEFFs instead of compiling
-        "TORCH_NEURONX_NEFF_CACHE_DIR": os.path.join(s.cache_dir, "neff"),
-        "TORCH_NEURONX_HLO_CACHE_DIR": os.path.join(s.cache_dir, "hlo"),
-        "NEURON_COMPILE_CACHE_URL": os.path.join(s.cache_dir, "neuronx-cc"),
-        # a graph that fails to compile must fail the start, not run op by op on the host
-        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
-        "V4FLASH_OPS": "nki",
-        "V4FLASH_NUMERICS": "reference",
-        "V4FLASH_DIST_BACKEND": s.dist_backend,
-    }
-    if s.pin_core and local_rank is not None:
-        env["NEURON_RT_VISIBLE_CORES"] = str(local_rank)
-    return env
-
-
-def apply_env(s: NeuronSettings, environ=None, local_rank: int | None = None) -> dict[str, str]:
-    """Fill `environ` (default os.environ) with `neuron_env`; values already set win. Returns what
-    was added."""
-    environ = os.environ if environ is None else environ
-    added = {}
-    for k, v in neuron_env(s, local_rank).items():
-        if k not in environ:
-            environ[k] = added[k] = v
-    os.makedirs(s.cache_dir, exist_ok=True)
-    return added
 
 
 def import_neuron(s: NeuronSettings):
@@ -144,6 +70,21 @@ class CompileStats:
     collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
 
 
+def _check_cc_flags(s: NeuronSettings) -> None:
+    """Backend neuron takes no compiler_args: neuronx-cc gets its flags from NEURON_CC_FLAGS only, which
+    group.rank_entry sets. Compiling without them would drop --lnc / --auto-cast=none / the fp8 flag, so
+    every flag of `s` must be there (flags added by others may be too) and no other LNC degree."""
+    import shlex
+
+    from v4flash_backend.settings import flag_lnc
+
+    have = os.environ.get("NEURON_CC_FLAGS", "")
+    missing = [a for a in s.compiler_args if a not in shlex.split(have)]
+    if missing or flag_lnc(have) != s.lnc:
+        raise RuntimeError(f"NEURON_CC_FLAGS {have!r} lacks {missing} or names another LNC than {s.lnc}: start "
+                           "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
+
+
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
     import torch._dynamo
@@ -152,6 +93,8 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
         return fn
     import_neuron(s)
+    if s.backend == "neuron":
+        _check_cc_flags(s)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
     stats = stats if stats is not None else CompileStats()
@@ -196,6 +139,24 @@ def prefill_buckets(prefill_rows: int, max_model_len: int) -> list[Bucket]:
     prefill_rows = min(prefill_rows, MAX_PREFILL_ROWS, max_model_len)
     return [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
             for L in bucket_sizes(max_model_len, min(256, max_model_len))]
+
+
+def startup_graphs(settings, dspark: bool = True) -> int:
+    """The graphs a rank of a static server (decode_graph static) compiles at start, as
+    `worker.build_runner` warms them: per decode bucket the verify round graph, its logit-processing
+    variant (warm_processed) and the bare verify graph; per sequence bucket the draft round graph
+    (and variant) when the checkpoint drafts; the plain-decode round graphs (and variants) when the
+    server may step aside or does not draft; one prefill graph per row x context bucket. With the
+    defaults (8 sequences, 1024 tokens, 256-token chunks, DSpark): 12 + 12 + 12 + 4 + 4 + 15 = 59."""
+    variants = 2 if settings.warm_processed else 1
+    decode = decode_buckets(settings.max_num_seqs, settings.max_model_len, 1)
+    drafting = dspark and settings.spec_mode != "off"
+    n = len(decode) * variants + len(decode)  # verify rounds (+ processed) and bare verify graphs
+    if drafting:
+        n += len({b.seqs for b in decode}) * variants
+    if settings.dspark_adaptive or not drafting:
+        n += len(decode) * variants
+    return n + len(prefill_buckets(settings.prefill_chunk, settings.max_model_len))
 
 
 class _Progress:

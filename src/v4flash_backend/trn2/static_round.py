@@ -35,7 +35,7 @@ import torch
 from v4flash_backend.engine import noise
 from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import admit_static
-from v4flash_backend.engine.precision import loop_dtype
+from v4flash_backend.engine.precision import loop_dtype, pack_bits
 from v4flash_backend.engine.sampling import LOGPROB_COLS, LOGPROB_WIDTH
 
 from .static_step import StaticDecoder
@@ -131,20 +131,22 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
 
 
 def calibrated_confidence(conf: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
-    """c [S, G] f32 from the head's logits: sigmoid(logit / T_k + b_k) in float64 where T > 0 (the
-    operations of `Calibration.confidence`, so eager and static admit alike), the raw head's f32
-    sigmoid where T = 0 (dspark_adaptive off: what the eager engine computes then)."""
-    T, b = cal[..., 0], cal[..., 1]
-    scaled = torch.sigmoid(conf.double() / torch.where(T > 0, T, torch.ones_like(T)) + b).float()
+    """c [S, G] f32 from the head's logits: sigmoid(logit / T_k + b_k) in `loop_dtype()` where T > 0
+    (the operations of `Calibration.confidence`, in its dtype, so eager and static admit alike), the
+    raw head's f32 sigmoid where T = 0 (dspark_adaptive off: what the eager engine computes then)."""
+    dt = loop_dtype()
+    T, b = cal[..., 0].to(dt), cal[..., 1].to(dt)
+    scaled = torch.sigmoid(conf.to(dt) / torch.where(T > 0, T, torch.ones_like(T)) + b).float()
     return torch.where(T > 0, scaled, torch.sigmoid(conf))
 
 
 def pack(tokens_out, committed, accepted, stopped, ell, conf):
     """The round's read-back: [S, G+1 committed tokens | committed | accepted | stopped | next ell |
-    G confidence logits of the new block (f32 widened to f64, bit-cast: exact; the host reads them
-    with engine.unpack_confidence)]."""
+    G confidence logits of the new block (f32 in the loop dtype, bit-cast by `precision.pack_bits`:
+    exact, and no float64 op under the kernels' numerics; the host reads them with
+    engine.unpack_confidence)]."""
     return torch.cat([tokens_out, committed[:, None], accepted[:, None], stopped.long()[:, None],
-                      ell.long()[:, None], conf.double().contiguous().view(torch.int64)], 1)
+                      ell.long()[:, None], pack_bits(conf)], 1)
 
 
 # ---- the processed round variant: min_tokens, penalties and log-probs inside the graphs -------------
@@ -206,20 +208,20 @@ def draft_logit_fn(base: torch.Tensor, n_out: torch.Tensor, proc: dict):
 def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
     """`sampling.token_logprobs` of the committed tokens [S, G+1] (-1 padded) under their processed
     verify rows [S*(G+1), V], top LOGPROB_WIDTH alternatives, packed as int64 [S, (G+1)*LOGPROB_COLS]
-    (float64 values bit-cast) for the round's one read-back (`sampling.unpack_logprobs` reads it)."""
+    (`loop_dtype` values bit-cast by `precision.pack_bits`: no float64 op under the kernels' numerics)
+    for the round's one read-back (`sampling.unpack_logprobs` reads it)."""
     from v4flash_backend.engine.sampling import GREEDY_TEMPERATURE, process_logits_static
 
     S, G1 = tokens.shape
     rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
-    x = logits.to(torch.float64)
+    x = logits.to(loop_dtype())  # as sampling.token_logprobs
     T = rep(temperature)
     lp = torch.log(process_logits_static(x, T, rep(top_k), rep(top_p)))
     lp = torch.where((T < GREEDY_TEMPERATURE)[:, None], torch.log_softmax(x, -1), lp)
     tok = lp.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
     rank = 1 + (lp > tok[:, None]).sum(1)
     top_lp, top_ids = lp.topk(LOGPROB_WIDTH, dim=-1)
-    as_int = lambda t: t.contiguous().view(torch.int64)  # noqa: E731
-    cols = torch.cat([as_int(tok)[:, None], rank[:, None], top_ids, as_int(top_lp)], 1)  # [S*(G+1), COLS]
+    cols = torch.cat([pack_bits(tok)[:, None], rank[:, None], top_ids, pack_bits(top_lp)], 1)  # [S*(G+1), COLS]
     return cols.view(S, G1 * LOGPROB_COLS)
 
 
