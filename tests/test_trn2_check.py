@@ -9,7 +9,7 @@
   forward and prefill graphs are device-clean with kernel nodes and no host reads; a deliberate CPU
   `torch.zeros` inside the step and a float64 op inside it each fail it. Every graph of the rank,
   the final line as the issue asks, with --native-int64=enabled added to the launch's flags (slow);
-  the command line with the served flags as they are (slow, xfail until that flag is in them).
+  the command line with the served flags as they are (slow).
 """
 
 import re
@@ -161,11 +161,10 @@ def test_tiny_rank_passes_with_native_int64():
                                                           "round draft S=1 Q=6 ctx=256 dspark"]
 
 
-# The served flags (trn2/launch.py BASE_COMPILER_ARGS) lack --native-int64=enabled: the Engram hash
-# (63-bit multipliers, model/engram_hash.py) then fails dtype_ok in every graph with a target
-# forward (dtype_ok=2/8). Drop the xfail when the flag is added there.
+# The served flags (trn2/launch.py BASE_COMPILER_ARGS) carry --native-int64=enabled: without it the
+# Engram hash (63-bit multipliers, model/engram_hash.py) fails dtype_ok in every graph with a target
+# forward (2/8 passed before the flag was added).
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the launch's compiler flags lack --native-int64=enabled", strict=False)
 def test_cli_on_the_tiny_checkpoint(capsys):
     from v4flash_backend.cli import main
 

@@ -45,11 +45,18 @@ from v4flash_backend.settings import Settings, flag_lnc
 # neuronx-cc arguments of the served graphs (the port's set): trn2 target, transformer model type, -O1,
 # no automatic down-casting (the kernels' numerics are fp32 where the reference is), and e4m3fn
 # checkpoint bytes read as e4m3 (trn2's engines have no e4m3fn). The --lnc flag is added from neuron_lnc.
+# --native-int64=enabled: the Engram n-gram hash is the official reference's 64-bit multiply-xor
+# (model/engram_hash.py, 63-bit multipliers); by default neuronx-cc downcasts int64 ops to int32,
+# which would change its table rows. The compiler CLI reference lists `--native-int64 <mode>`
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/compiler/neuronx-cc/api-reference-guide/index.html)
+# and the 2.32 compiler release notes say it runs int64 ops natively without precision loss on trn2.
+# checks/trn2.py's dtype rule accepts wide int64 values only with this flag.
 BASE_COMPILER_ARGS = (
     "--target=trn2",
     "--model-type=transformer",
     "-O1",
     "--auto-cast=none",
+    "--native-int64=enabled",
     "--enable-fast-loading-neuron-binaries",
     "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3",
 )
