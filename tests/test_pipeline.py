@@ -270,10 +270,15 @@ def _settings(**kw):
 
 def start_two_nodes(tmp: Path, settings, nproc_per_node: int = 1):
     """One torchrun per "node" (--nnodes 2 --node-rank 0 / 1, rendezvous on 127.0.0.1): one process
-    group across both, stage 0 on node 0, stage 1 (the driver) on node 1. Returns (procs, address)."""
+    group across both, stage 0 on node 0, stage 1 (the driver) on node 1, with a shared secret (a
+    0600 file every node and the client read: group_secret_file). Returns (procs, address, info);
+    info["secret_file"] names the secret."""
+    from v4flash_backend.group.auth import new_secret, write_secret
     from v4flash_backend.group.rank_group import free_port, node_command
 
     port_file = str(tmp / "driver.json")
+    secret_file = write_secret(str(tmp / "group.secret"), new_secret())
+    settings = settings.replace(group_secret_file=secret_file)
     master = free_port()
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     procs = []
@@ -293,7 +298,7 @@ def start_two_nodes(tmp: Path, settings, nproc_per_node: int = 1):
             pytest.fail("two-node group not ready:\n" + (tmp / "node1.log").read_text()[-4000:])
         time.sleep(0.2)
     info = json.loads(Path(port_file).read_text())
-    return procs, f"{info['host']}:{info['port']}", info
+    return procs, f"{info['host']}:{info['port']}", dict(info, secret_file=secret_file)
 
 
 def stop_nodes(procs, timeout: float = 30) -> list:
@@ -323,11 +328,13 @@ def test_two_nodes_on_loopback_serve_what_w1_serves(tmp_path, tiny_model):
     """The rank group as two torchrun nodes of one stage each: the client connects to the driver
     by address; concurrent greedy requests (prefill, decode, DSpark drafts on the last stage)
     equal the in-process W = 1 engine; the stats show the boundary traffic; shutdown ends both."""
-    from v4flash_backend.group.rank_group import RankGroup
+    from v4flash_backend.group.rank_group import RankGroup, RankGroupError
 
     procs, address, info = start_two_nodes(tmp_path, _settings())
     try:
-        g = RankGroup.connect(address, timeout_s=60)
+        with pytest.raises(RankGroupError, match="requires a shared secret"):
+            RankGroup.connect(address, timeout_s=60, secret=None)
+        g = RankGroup.connect(address, timeout_s=60, secret_file=info["secret_file"])
         specs = [(9, 12, 1), (30, 7, 2), (4, 10, 3)]
         streams = [g.submit(_prompt(n, s), {"max_tokens": k, "ignore_eos": True}) for n, k, s in specs]
         for st, (n, k, s) in zip(streams, specs):
@@ -360,12 +367,13 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
     if not (REPO / ".triton/backends/python/triton_python_backend_stub").exists():
         pytest.fail("tritonserver is not set up: run `make triton` (scripts/setup_triton.sh)")
     # two micro-batches per forward of several sequences: stage 0 runs the second while stage 1 the first
-    procs, address, _ = start_two_nodes(tmp_path, _settings(pipeline_micro_batches=2))
+    procs, address, info = start_two_nodes(tmp_path, _settings(pipeline_micro_batches=2))
     proc = None
     try:
         repo = _build_repository(tmp_path)
         cfg_path = repo / "v4flash" / "config.pbtxt"
-        cfg_path.write_text(_set_param(cfg_path.read_text(), "rank_group_address", address))
+        cfg = _set_param(cfg_path.read_text(), "rank_group_address", address)
+        cfg_path.write_text(_set_param(cfg, "group_secret_file", info["secret_file"]))
         log_path = tmp_path / "tritonserver.log"
         proc, server = start_serve(repo, log_path)
         wait_ready(proc, server["http_port"], log_path, 240)
@@ -380,7 +388,7 @@ def test_triton_streams_through_two_stages_the_text_of_w1(tmp_path, tiny_model):
             assert "".join(c.text for c in chunks) == tok.decode(want), model
         from v4flash_backend.group.rank_group import RankGroup
 
-        probe = RankGroup.connect(address, timeout_s=30)
+        probe = RankGroup.connect(address, timeout_s=30, secret_file=info["secret_file"])
         assert probe.stats(timeout=10)["micro_batched"] > 0  # steps of both requests ran split
         probe.close()
         assert f"connected to the rank group at {address}" in log_path.read_text()

@@ -93,9 +93,34 @@ def test_bad_requests_get_invalid_arg_and_the_group_keeps_serving(group, tiny_mo
     assert group.submit(p, {"max_tokens": 3, "ignore_eos": True}).result(60)["token_ids"] == _alone(tiny_model, p, 3)
 
 
+def test_a_launched_group_has_its_own_secret_off_the_command_line(group):
+    """`launch` generates a secret per group: a loopback client without it (another local user) is
+    refused and the group serves on; the secret is on no command line (`ps`), only in a 0600 file."""
+    from v4flash_backend.group.auth import client_handshake
+
+    assert group.secret and len(group.secret) >= 32
+    for pid in [group.proc.pid, *group.pids]:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert group.secret not in f.read()
+    secret_file = os.path.join(group.workdir, "secret")
+    assert os.stat(secret_file).st_mode & 0o777 == 0o600 and os.stat(group.workdir).st_mode & 0o077 == 0
+    with socket.create_connection((group.info["host"], group.info["port"]), timeout=30) as s:
+        with pytest.raises(Exception, match="requires a shared secret"):
+            client_handshake(s, None)
+    with pytest.raises(RankGroupError, match="wrong secret"):
+        RankGroup.connect(f"{group.info['host']}:{group.info['port']}", secret=b"x" * 64)
+    h = group.health()
+    assert h["ok"] and h["auth_refused"] >= 2
+    with open(group.log_path) as f:
+        assert "wrong secret" in f.read()
+
+
 def test_raw_protocol_messages(group):
+    from v4flash_backend.group.auth import client_handshake
+
     host, port = group.info["host"], group.info["port"]
     with socket.create_connection((host, port), timeout=30) as s:
+        client_handshake(s, group.secret)
         f = s.makefile("rb")
 
         def send(obj):
@@ -119,9 +144,9 @@ def test_raw_protocol_messages(group):
         assert len(errs) == 1 and errs[0]["id"] == 7 and "already in flight" in errs[0]["message"]
 
 
-def test_connect_by_address_and_cli_generate(group, tiny_model, capsys):
+def test_connect_by_address_and_cli_generate(group, tiny_model, capsys, monkeypatch):
     address = f"{group.info['host']}:{group.info['port']}"
-    other = RankGroup.connect(address)
+    other = RankGroup.connect(address, secret=group.secret)
     assert other.info["world_size"] == 2 and other.proc is None
     p = _prompt(12, 21)
     assert other.submit(p, {"max_tokens": 4, "ignore_eos": True}).result(60)["token_ids"] == _alone(tiny_model, p, 4)
@@ -131,6 +156,7 @@ def test_connect_by_address_and_cli_generate(group, tiny_model, capsys):
     args = argparse.Namespace(prompt_ids=p, prompt=None, checkpoint=None, max_tokens=5, temperature=0.0, top_k=0,
                               top_p=1.0, seed=None, ignore_eos=True, world_size=None, address=address, python=None,
                               ops="torch")
+    monkeypatch.setenv("V4FLASH_GROUP_SECRET", group.secret.decode())  # the CLI's --address client reads it
     assert rank_group.generate_via_group(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "output_ids: " + " ".join(map(str, _alone(tiny_model, p, 5)))

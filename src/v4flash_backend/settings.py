@@ -168,6 +168,16 @@ class Settings:
     max_queue_size: int = setting(
         64, "requests that may wait for a KV slot beyond the free ones; one more is refused at once "
         "with UNAVAILABLE (server at capacity) instead of queueing without bound", scope="engine", low=0)
+    # ---- deployment: secrets and writable state (issue 34) ----------------------------------------
+    group_secret_file: str = setting(
+        "", "file (mode 600) holding the rank group's shared secret: the workers require it of every socket "
+        "client, the client (rank_group_address) proves it; empty: $V4FLASH_GROUP_SECRET_FILE, else "
+        "$V4FLASH_GROUP_SECRET, else none (the socket then only listens on loopback); a launched group "
+        "generates its own", scope="group", path=True)
+    state_dir: str = setting(
+        "", "writable directory for the engine's own files (the step-cost profile when sps_path is empty, "
+        "reused by later starts), so the checkpoint and model repository can be mounted read-only; "
+        "empty: nothing is written (the profile is taken at every start)", scope="engine", path=True)
 
     def __post_init__(self):
         for f in fields(self):
@@ -202,6 +212,21 @@ class Settings:
         if self.decode_graph:
             return self.decode_graph
         return "static" if self.ops_backend == "nki" else CPU_DECODE_GRAPH
+
+    @property
+    def sps_file(self) -> str:
+        """Where the step-cost profile is loaded from and saved: sps_path, else a file in state_dir
+        named by what the profile depends on (checkpoint, op and graph backends, ranks, slots, mode),
+        else "" (not saved)."""
+        if self.sps_path or not self.state_dir:
+            return self.sps_path
+        import hashlib
+        import os
+
+        key = "|".join(map(str, (os.path.realpath(self.checkpoint_dir or "."), self.ops_backend, self.decode_graph_mode,
+                                 self.graph_backend_name, self.world_size, self.pipeline_parallel,
+                                 self.max_num_seqs, self.spec_mode)))
+        return os.path.join(self.state_dir, f"sps-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
 
     @property
     def graph_backend_name(self) -> str:

@@ -312,8 +312,8 @@ class Engine:
             return self.cost
         import os
 
-        if self.cfg.sps_path and os.path.exists(self.cfg.sps_path):
-            self.cost = StepCost.load(self.cfg.sps_path)
+        if self.cfg.sps_file and os.path.exists(self.cfg.sps_file):
+            self.cost = StepCost.load(self.cfg.sps_file)
             return self.cost
         scratch = self.runner.state.num_slots - 1
         top = self.cfg.max_num_seqs * (1 + self.gamma)
@@ -362,8 +362,7 @@ class Engine:
         for slot in slots:
             self.runner.reset_slot(slot)
         self.cost = StepCost(by_seqs[1], draft_s, replaced, by_seqs=by_seqs)
-        if self.cfg.sps_path:
-            self.cost.save(self.cfg.sps_path)
+        self._save_cost()
         return self.cost
 
     def _static_cost(self, sizes: list[int], scratch: int) -> StepCost:
@@ -397,9 +396,21 @@ class Engine:
         draft_s = {S: max(full[S] - alone[S], 0.0) for S in range(1, N + 1)}
         self.runner.reset_slot(scratch)
         self.cost = StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, [])
-        if self.cfg.sps_path:
-            self.cost.save(self.cfg.sps_path)
+        self._save_cost()
         return self.cost
+
+    def _save_cost(self) -> None:
+        """The profile to sps_path or the state directory (`Settings.sps_file`), never elsewhere:
+        written beside and renamed, so a server starting meanwhile reads a whole file or none."""
+        import os
+
+        path = self.cfg.sps_file
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self.cost.save(tmp)
+        os.replace(tmp, path)
 
     def _sampler_for(self, R: int):
         return CounterSampler(list(range(R)), [0] * R, STREAM_DRAFT)

@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from v4flash_backend.group.auth import AuthError, client_handshake, load_secret, new_secret, write_secret
 from v4flash_backend.request import RequestError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/src/v4flash_backend (or site-packages/...)
@@ -201,6 +202,7 @@ class RankGroup:
         self.log_path = log_path
         self.workdir = workdir  # port file + log of a launched group; removed after a clean exit
         self.failure: str | None = None
+        self.secret: bytes | None = None  # what this client proved (a launched group's own, per launch)
         self.streams: dict[str, Stream] = {}
         self.replies: dict[str, queue.Queue] = {}
         self.lock = threading.Lock()
@@ -226,12 +228,16 @@ class RankGroup:
         group (the Triton model passes the server's: a stub can hang instead of exiting when the
         server under it dies, see `serving.rank_group_client`)."""
         py = project_python(python)
-        workdir = tempfile.mkdtemp(prefix="v4flash-group-")
+        workdir = tempfile.mkdtemp(prefix="v4flash-group-")  # mode 0700
         port_file = os.path.join(workdir, "rank0.json")
         log_path = log_path or os.path.join(workdir, "group.log")
         start_timeout_s = settings.startup_timeout_s
-        cmd = node_command(settings, py, nproc_per_node or settings.world_size, 1, 0, "127.0.0.1", free_port(),
-                           "127.0.0.1", 0, port_file,
+        # a fresh secret per launch, to the workers as a 0600 file (its path, not the secret, is on
+        # the command line): other local users reaching the loopback port cannot drive the group
+        secret = new_secret()
+        secret_file = write_secret(os.path.join(workdir, "secret"), secret)
+        cmd = node_command(settings.replace(group_secret_file=secret_file), py, nproc_per_node or settings.world_size,
+                           1, 0, "127.0.0.1", free_port(), "127.0.0.1", 0, port_file,
                            watch_launcher=",".join(launcher_identity(p) for p in (os.getpid(), *watch_also)))
         if tie_to_thread is None:
             tie_to_thread = threading.current_thread() is threading.main_thread()
@@ -267,16 +273,27 @@ class RankGroup:
             info = json.load(f)
         try:
             sock = socket.create_connection((info["host"], info["port"]), timeout=30)
-        except OSError:
+            client_handshake(sock, secret)
+        except (OSError, AuthError) as e:
             _kill_group(proc)
-            raise
+            raise RankGroupError(f"cannot connect to the launched rank group: {e}") from None
         sock.settimeout(None)
-        return cls(sock, proc, info, launch_args, log_path, workdir)
+        g = cls(sock, proc, info, launch_args, log_path, workdir)
+        g.secret = secret
+        return g
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 30.0) -> "RankGroup":
-        """Use a group started elsewhere (e.g. one torchrun per node) whose rank 0 serves `address`."""
+    def connect(cls, address: str, timeout_s: float = 30.0, secret: bytes | None = None,
+                secret_file: str | None = None) -> "RankGroup":
+        """Use a group started elsewhere (e.g. one torchrun per node) whose rank 0 serves `address`.
+        The shared secret, when the group requires one: `secret`, else `auth.load_secret(secret_file)`
+        (the file, $V4FLASH_GROUP_SECRET_FILE, $V4FLASH_GROUP_SECRET). A refused secret raises at once
+        (RankGroupError); only an unreachable address is retried."""
         host, port = parse_address(address)
+        try:
+            secret = secret if secret is not None else load_secret(secret_file or None)
+        except (AuthError, OSError) as e:
+            raise RankGroupError(f"rank group secret: {e}") from None
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -286,8 +303,14 @@ class RankGroup:
                 if time.monotonic() > deadline:
                     raise RankGroupError(f"cannot reach the rank group at {address}: {e}") from None
                 time.sleep(0.5)
+        try:
+            client_handshake(sock, secret, timeout_s=min(30.0, max(1.0, timeout_s)))
+        except (AuthError, OSError) as e:
+            sock.close()
+            raise RankGroupError(f"rank group at {address}: {e}") from None
         sock.settimeout(None)
         g = cls(sock)
+        g.secret = secret
         g.info = {k: v for k, v in g.health(timeout=timeout_s).items() if k not in ("event", "tag")}
         g.info.update(host=host, port=port)
         return g

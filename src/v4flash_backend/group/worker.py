@@ -30,7 +30,10 @@ timeout), that rank exits, and torchrun ends the others.
 Socket protocol (rank 0 <-> clients; `rank_group` is the client): one JSON object per line,
 UTF-8, over TCP (127.0.0.1 unless --host says otherwise; rank 0 writes the bound address to
 --port-file once every rank is ready). Several connections may be open; a request belongs to
-the connection that submitted it and is cancelled if that connection closes.
+the connection that submitted it and is cancelled if that connection closes. Every connection
+opens with the server's hello line and, when the group has a shared secret, a challenge-response
+(`auth`: HMAC-SHA256 of a per-connection nonce); a client that fails it is refused and logged.
+Beyond loopback the server does not start without a secret.
   client -> server
     {"op":"submit","id":ID,"prompt_ids":[int,...],"params":{"max_tokens":int,"temperature":float,
      "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool,
@@ -460,31 +463,71 @@ class _Conn:
 
 
 class Server:
-    """Accepts client connections and turns their messages into engine calls."""
+    """Accepts client connections and turns their messages into engine calls.
 
-    def __init__(self, engine, host: str, port: int, info: dict, stop: threading.Event, stats_extra=None):
+    Every connection first goes through `auth.server_handshake` on a thread of its own (the accept
+    loop never waits on a client): with a `secret` the client must prove it within `auth_timeout_s`,
+    else it is told why, logged, counted (health's auth_refused) and closed, having cost one
+    short-lived thread and no engine state. At most `max_pending` handshakes run at once; further
+    connections are closed at once until one finishes. Without a secret the server only listens on
+    loopback (`auth.check_bind`)."""
+
+    def __init__(self, engine, host: str, port: int, info: dict, stop: threading.Event, stats_extra=None,
+                 secret: bytes | None = None, auth_timeout_s: float = 10.0, max_pending: int = 32, log=None):
+        from v4flash_backend.group.auth import check_bind
+
+        check_bind(host, secret)
         self.engine, self.info, self.stop = engine, info, stop
         self.stats_extra = stats_extra or (lambda: {})
+        self.secret, self.auth_timeout_s = secret, auth_timeout_s
+        self.log = log or (lambda msg: _log(0, msg))
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.conns: dict[int, _Conn] = {}
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self._n = 0
+        self.auth_refused = 0
+        self._pending = threading.BoundedSemaphore(max_pending)
         threading.Thread(target=self._accept, daemon=True, name="accept").start()
 
     def _accept(self) -> None:
         while True:
             try:
-                s, _ = self.sock.accept()
+                s, peer = self.sock.accept()
             except OSError:
                 return
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.lock:
-                self._n += 1
-                c = _Conn(s, self._n)
-                self.conns[c.num] = c
-            threading.Thread(target=self._read, args=(c,), daemon=True, name=f"conn{c.num}-reader").start()
+            if not self._pending.acquire(blocking=False):
+                self._refuse(s, peer, "too many connections authenticating at once")
+                continue
+            threading.Thread(target=self._admit, args=(s, peer), daemon=True, name="conn-handshake").start()
+
+    def _refuse(self, s: socket.socket, peer, why: str) -> None:
+        with self.lock:
+            self.auth_refused += 1
+        self.log(f"refused a connection from {peer[0]}:{peer[1]}: {why}")
+        try:
+            s.close()
+        except OSError:
+            pass
+
+    def _admit(self, s: socket.socket, peer) -> None:
+        from v4flash_backend.group.auth import AuthError, server_handshake
+
+        try:
+            server_handshake(s, self.secret, self.auth_timeout_s)
+        except (AuthError, OSError) as e:
+            self._refuse(s, peer, str(e) or type(e).__name__)
+            return
+        finally:
+            self._pending.release()
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.lock:
+            self._n += 1
+            c = _Conn(s, self._n)
+            self.conns[c.num] = c
+        threading.current_thread().name = f"conn{c.num}-reader"
+        self._read(c)
 
     def _read(self, c: _Conn) -> None:
         try:
@@ -521,7 +564,8 @@ class Server:
                 self.engine.cancel(hit[0])
         elif op == "health":
             c.send(dict(event="health", tag=tag, ok=not self.stop.is_set(),
-                        uptime_s=round(time.monotonic() - self.started, 3), **self.info))
+                        uptime_s=round(time.monotonic() - self.started, 3), auth_refused=self.auth_refused,
+                        connections=len(self.conns), **self.info))
         elif op == "stats":
             c.send(dict(event="stats", tag=tag, engine=self.engine.stats(), **self.stats_extra()))
         elif op == "shutdown":
@@ -690,7 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="one rank of the v4flash rank group (start it with torchrun)")
     ap.add_argument("--settings-json", help="all settings as one JSON object (what RankGroup.launch passes); "
                                             "flags given beside it win")
-    ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default)")
+    ap.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on (loopback by default; any other "
+                                                        "address needs a shared secret: group_secret_file, "
+                                                        "$V4FLASH_GROUP_SECRET_FILE or $V4FLASH_GROUP_SECRET)")
     ap.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     ap.add_argument("--port-file", help="rank 0 writes {host, port, pids, ...} here once every rank is ready")
     ap.add_argument("--watch-launcher", metavar="PID:START[,PID:START...]",
@@ -716,9 +762,27 @@ def parse_settings(ap: argparse.ArgumentParser, argv=None):
     return args, settings
 
 
+def load_group_secret(args, settings) -> bytes | None:
+    """The socket's shared secret (`auth.load_secret`: group_secret_file, $V4FLASH_GROUP_SECRET_FILE,
+    $V4FLASH_GROUP_SECRET), checked against --host before anything is loaded: listening beyond
+    loopback needs one. Raises auth.AuthError or OSError (an unreadable file)."""
+    from v4flash_backend.group.auth import check_bind, load_secret
+
+    secret = load_secret(settings.group_secret_file or None)
+    check_bind(args.host, secret)
+    return secret
+
+
 def main(argv=None) -> int:
     args, settings = parse_settings(build_parser(), argv)
     _check_rank_env(settings)
+    from v4flash_backend.group.auth import AuthError
+
+    try:
+        secret = load_group_secret(args, settings)
+    except (AuthError, OSError) as e:
+        _log(int(os.environ.get("RANK", "0")), f"error: {e}")
+        return 2
     _die_with_parent()
     _watch_launcher(args.watch_launcher)
     from v4flash_backend import ops
@@ -774,7 +838,7 @@ def main(argv=None) -> int:
         _log(rank, "stop")
         code = 0
     else:
-        code = _serve_rank0(args, settings, lay, coll, local, pids)
+        code = _serve_rank0(args, settings, lay, coll, local, pids, secret)
     if lay.world > 1 and code == 0:
         import torch.distributed as dist
 
@@ -831,7 +895,7 @@ def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
     return runner
 
 
-def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
+def _serve_rank0(args, settings, lay, coll, local, pids, secret: bytes | None = None) -> int:
     from v4flash_backend.engine.engine import Engine
 
     stop = threading.Event()
@@ -854,14 +918,15 @@ def _serve_rank0(args, settings, lay, coll, local, pids) -> int:
                 "plan_size": plan.size, "world_size": lay.world,
                 "micro_batched": getattr(local, "micro_batched", 0)}
 
-    server = Server(engine, args.host, args.port, info, stop, extra)
+    server = Server(engine, args.host, args.port, info, stop, extra, secret=secret)
     host, port = server.address
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(dict(host=host, port=port, **info), f)
         os.replace(tmp, args.port_file)
-    _log(lay.rank, f"serving on {host}:{port}")
+    mode = "shared-secret authentication" if secret else "loopback only, no authentication"
+    _log(lay.rank, f"serving on {host}:{port} ({mode})")
     code = 0
     try:
         serve(engine, plan, stop)

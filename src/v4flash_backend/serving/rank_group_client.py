@@ -51,7 +51,8 @@ class RankGroupEngine:
         s = self.settings
         t0 = time.monotonic()
         if s.rank_group_address:
-            group = RankGroup.connect(s.rank_group_address, timeout_s=s.startup_timeout_s)
+            group = RankGroup.connect(s.rank_group_address, timeout_s=s.startup_timeout_s,
+                                      secret_file=s.group_secret_file or None)
             self.log(f"[v4flash] connected to the rank group at {s.rank_group_address}: {group.info}")
         else:
             group = RankGroup.launch(s, watch_also=self.watch_also)
