@@ -17,6 +17,31 @@ from .seq import KIND_OF, Seq
 
 class EagerStep:
     def _step_eager(self) -> None:
+        tokens, spec, rows, decode, prefill = self._eager_batch()
+        # stepping aside is decided before the forward, from past acceptances only (the requests that
+        # draft after this step: the decoding ones and those whose prefill completes now); a step that
+        # steps aside computes no taps and writes no ring rows for its decode rows, so it costs what
+        # plain decoding costs (prefill rows still fill the rings: a new request's context)
+        drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
+                                                                     if s.n_cached + n == len(s.req.prompt)]
+        decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
+        self._kind = KIND_OF[decision]
+        want_taps = self.spec and (decision != "skip" or bool(prefill))
+        out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
+                                  want_taps)
+        self.totals["steps"] += 1
+        logits_at = {r: i for i, r in enumerate(rows)}
+        writes, draft_seqs = [], []
+        if decode:
+            self._verify_decode_rows(out, logits_at, decode, decision, writes, draft_seqs)
+        self._prefill_chunks(out, logits_at, prefill, writes, draft_seqs)
+        self._retire_finished()
+        if self.spec:
+            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs, decision)
+
+    def _eager_batch(self) -> tuple[list, list, list, list, list]:
+        """The step's flattened batch: (tokens, segments [(slot, start, n)], logits rows, decode
+        [(seq, offset, n rows)], prefill [(seq, offset, n rows)])."""
         tokens, spec, rows = [], [], []
         decode, prefill = [], []  # (seq, segment offset, n rows)
         off = 0
@@ -41,72 +66,59 @@ class EagerStep:
             if s.n_cached + n == len(s.req.prompt):
                 rows.append(off + n - 1)
             off += n
-        # stepping aside is decided before the forward, from past acceptances only (the requests that
-        # draft after this step: the decoding ones and those whose prefill completes now); a step that
-        # steps aside computes no taps and writes no ring rows for its decode rows, so it costs what
-        # plain decoding costs (prefill rows still fill the rings: a new request's context)
-        drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
-                                                                     if s.n_cached + n == len(s.req.prompt)]
-        decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
-        self._kind = KIND_OF[decision]
-        want_taps = self.spec and (decision != "skip" or bool(prefill))
-        out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
-                                  want_taps)
-        self.totals["steps"] += 1
-        logits_at = {r: i for i, r in enumerate(rows)}
-        writes, draft_seqs = [], []
-        # -- verify decode rows -------------------------------------------------------------------
-        if decode:
-            seqs = [d[0] for d in decode]
-            ell = torch.tensor([s.ell for s in seqs], dtype=torch.long)
-            lg = out.logits[[logits_at[r] for s, o, n in decode for r in range(o, o + n)]]
-            # verify row j of a request predicts its output token n_out + j
-            lg = self._process_target(lg, seqs, [list(range(s.n_out, s.n_out + n)) for s, o, n in decode])
-            res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs, STREAM_VERIFY),
-                             self._stop_ids(seqs), torch.tensor([s.req.max_tokens - s.n_out for s in seqs]))
-            lp_row = 0
-            for i, (s, o, n) in enumerate(decode):
-                k = int(res.num_tokens[i])
-                new = res.tokens[i, :k].tolist()
-                lps = self._logprobs(s, lg[lp_row:lp_row + k], new)
-                lp_row += n
-                self._account_verify(s, int(res.accepted[i]))
-                s.rounds += 1
-                pos0 = s.n_cached
-                s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
-                if decision != "skip":
-                    writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
-                else:  # the ring misses these positions: a later draft sees older context there (lossless)
-                    self.totals["ring_rows_skipped"] += k
-                self._commit(s, new, bool(res.stopped[i]), lps)
-                if not self._done(s):
-                    draft_seqs.append(s)
-        # -- prefill chunks -----------------------------------------------------------------------
+        return tokens, spec, rows, decode, prefill
+
+    def _verify_decode_rows(self, out, logits_at: dict, decode: list, decision: str, writes: list,
+                            draft_seqs: list) -> None:
+        """Verify the decode rows and commit; their ring writes go to `writes` (none when the step
+        steps aside), the requests still running to `draft_seqs`."""
+        seqs = [d[0] for d in decode]
+        ell = torch.tensor([s.ell for s in seqs], dtype=torch.long)
+        lg = out.logits[[logits_at[r] for s, o, n in decode for r in range(o, o + n)]]
+        # verify row j of a request predicts its output token n_out + j
+        lg = self._process_target(lg, seqs, [list(range(s.n_out, s.n_out + n)) for s, o, n in decode])
+        res = acc.verify(lg, self._block(seqs), ell, self._params(seqs), self._sampler(seqs, STREAM_VERIFY),
+                         self._stop_ids(seqs), torch.tensor([s.req.max_tokens - s.n_out for s in seqs]))
+        lp_row = 0
+        for i, (s, o, n) in enumerate(decode):
+            k = int(res.num_tokens[i])
+            new = res.tokens[i, :k].tolist()
+            lps = self._logprobs(s, lg[lp_row:lp_row + k], new)
+            lp_row += n
+            self._account_verify(s, int(res.accepted[i]))
+            s.rounds += 1
+            pos0 = s.n_cached
+            s.n_cached += k  # the rows of x0 and the accepted drafts are committed context
+            if decision != "skip":
+                writes.append((s.slot, torch.arange(o, o + k), torch.arange(pos0, pos0 + k)))
+            else:  # the ring misses these positions: a later draft sees older context there (lossless)
+                self.totals["ring_rows_skipped"] += k
+            self._commit(s, new, bool(res.stopped[i]), lps)
+            if not self._done(s):
+                draft_seqs.append(s)
+
+    def _prefill_chunks(self, out, logits_at: dict, prefill: list, writes: list, draft_seqs: list) -> None:
+        """The prefill chunks' ring writes; a request whose prompt is now cached samples its first token."""
         first = []
         for s, o, n in prefill:
             writes.append((s.slot, torch.arange(o, o + n), torch.arange(s.n_cached, s.n_cached + n)))
             s.n_cached += n
             if not s.prefilling:
                 first.append((s, logits_at[o + n - 1]))
-        if first:
-            seqs = [s for s, _ in first]
-            lg = self._process_target(out.logits[[i for _, i in first]], seqs, [[0]] * len(seqs))
-            res = acc.verify(lg, self._block(seqs), torch.zeros(len(seqs), dtype=torch.long), self._params(seqs),
-                             self._sampler(seqs, STREAM_VERIFY), self._stop_ids(seqs),
-                             torch.tensor([s.req.max_tokens for s in seqs]))
-            for i, s in enumerate(seqs):
-                s.rounds += 1
-                s.first_token_time = time.monotonic()
-                new = res.tokens[i, :1].tolist()
-                self._commit(s, new, bool(res.stopped[i]), self._logprobs(s, lg[i:i + 1], new))
-                if not self._done(s):
-                    draft_seqs.append(s)
-        finished = [s for s in self.running if self._done(s)]
-        for s in finished:
-            self._release(s)
-        self.running = [s for s in self.running if not self._done(s)]
-        if self.spec:
-            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs, decision)
+        if not first:
+            return
+        seqs = [s for s, _ in first]
+        lg = self._process_target(out.logits[[i for _, i in first]], seqs, [[0]] * len(seqs))
+        res = acc.verify(lg, self._block(seqs), torch.zeros(len(seqs), dtype=torch.long), self._params(seqs),
+                         self._sampler(seqs, STREAM_VERIFY), self._stop_ids(seqs),
+                         torch.tensor([s.req.max_tokens for s in seqs]))
+        for i, s in enumerate(seqs):
+            s.rounds += 1
+            s.first_token_time = time.monotonic()
+            new = res.tokens[i, :1].tolist()
+            self._commit(s, new, bool(res.stopped[i]), self._logprobs(s, lg[i:i + 1], new))
+            if not self._done(s):
+                draft_seqs.append(s)
 
     # ---- DSpark drafting ---------------------------------------------------------------------
     def _draft(self, writes, seqs: list[Seq], decision: str = "draft") -> None:

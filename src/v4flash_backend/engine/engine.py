@@ -270,6 +270,12 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
     def _done(s: Seq) -> bool:
         return s.finish is not None
 
+    def _retire_finished(self) -> None:
+        """Free the slots of the requests that ended in this step; they leave `running`."""
+        for s in [s for s in self.running if self._done(s)]:
+            self._release(s)
+        self.running = [s for s in self.running if not self._done(s)]
+
     def _release(self, s: Seq) -> None:
         with self.lock:
             self.free.append(s.slot)
