@@ -235,13 +235,12 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
     def _step_running(self) -> None:
         if self._static_ok():
             return self._step_static()
-        counters = getattr(self.runner, "counters", None)
-        before = dict(counters) if counters is not None else None
+        before = dict(self.runner.counters)
         for s in self.running:  # an eager step after static rounds reads the draft blocks back
             if s.draft == ON_DEVICE:
                 s.draft = self.runner.read_block(s.slot) if s.ell else None
         decode_only = not any(s.prefilling for s in self.running)
-        if decode_only and getattr(self.runner, "static_rounds", False):
+        if decode_only and self.runner.static_rounds:
             self.decode_totals["static_fallback_steps"] += 1  # a decode step the static rounds did not take
         self._step_eager()
         if decode_only:

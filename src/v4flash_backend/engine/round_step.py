@@ -24,7 +24,7 @@ class StaticRoundStep:
         """A step runs as a static decode round when every running request decodes (no prefill
         rows) and the runner has a bucket for it."""
         r = self.runner
-        if not getattr(r, "static_rounds", False) or not self.running or any(s.prefilling for s in self.running):
+        if not r.static_rounds or not self.running or any(s.prefilling for s in self.running):
             return False
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False

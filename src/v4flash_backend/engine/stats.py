@@ -49,17 +49,18 @@ class EngineStats:
         d["tau"] = (d["accepted"] + d["verify_rows"]) / d["verify_rows"] if d["verify_rows"] else 0.0
         dt = dict(self.decode_totals)
         n = dt["decode_steps"]
-        d.update(dt, decode_graph=getattr(self.runner, "decode_graph", "eager"),
-                 graphs_compiled=getattr(self.runner, "counters", {}).get("graphs_compiled", 0),
-                 prefill_graphs=getattr(self.runner, "counters", {}).get("prefill_graphs", 0),
-                 boundary_resident_moves=getattr(self.runner, "counters", {}).get("boundary_resident_moves"),
-                 boundary_reads=getattr(self.runner, "counters", {}).get("boundary_reads"),
-                 plain_decode_rounds=getattr(self.runner, "counters", {}).get("plain_decode_rounds", 0),
+        c = self.runner.counters
+        d.update(dt, decode_graph=self.runner.decode_graph,
+                 graphs_compiled=c.get("graphs_compiled", 0),
+                 prefill_graphs=c.get("prefill_graphs", 0),
+                 boundary_resident_moves=c.get("boundary_resident_moves"),
+                 boundary_reads=c.get("boundary_reads"),
+                 plain_decode_rounds=c.get("plain_decode_rounds", 0),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),
                  host_syncs_per_step=((dt["host_syncs"] / n if n else 0.0)
-                                      if getattr(self.runner, "counts_host_syncs", True) else None),
+                                      if self.runner.counts_host_syncs else None),
                  host_to_device_bytes_per_step=dt["host_to_device_bytes"] / n if n else 0.0)
         d["decode_steps_by_kind"] = {k: v[0] for k, v in self.kind_totals.items()}
         d["graphs_per_step_by_kind"] = {k: v[1] / v[0] if v[0] else 0.0 for k, v in self.kind_totals.items()}
@@ -68,28 +69,27 @@ class EngineStats:
             d.update(self.calib.stats())
         return d
 
-    def _count_prefill_step(self, before: dict | None) -> None:
+    def _count_prefill_step(self, before: dict) -> None:
         """Steps with prefill rows: their graph executions (prefill graphs, the verify graph of the
-        step's decode rows; none on the eager runner) and forwards that ran op by op."""
+        step's decode rows; none on the eager runner) and forwards that ran op by op. `before`: the
+        runner's counters before the step."""
         t = self.decode_totals
         t["prefill_steps"] += 1
-        c = getattr(self.runner, "counters", None)
-        if c is not None and before is not None:
-            t["prefill_step_graph_executions"] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
-            t["prefill_step_eager_forwards"] += c.get("eager_forwards", 0) - before.get("eager_forwards", 0)
+        c = self.runner.counters
+        t["prefill_step_graph_executions"] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
+        t["prefill_step_eager_forwards"] += c.get("eager_forwards", 0) - before.get("eager_forwards", 0)
 
-    def _count_step(self, before: dict | None) -> None:
+    def _count_step(self, before: dict) -> None:
         t = self.decode_totals
         t["decode_steps"] += 1
-        c = getattr(self.runner, "counters", None)
-        if c is not None and before is not None:
-            for k in ("graph_executions", "host_syncs", "host_to_device_bytes"):
-                t[k] += c.get(k, 0) - before.get(k, 0)
+        c = self.runner.counters
+        for k in ("graph_executions", "host_syncs", "host_to_device_bytes"):
+            t[k] += c.get(k, 0) - before.get(k, 0)
         if self.spec:
             kt = self.kind_totals[self._kind]
             kt[0] += 1
-            if c is not None and before is not None:
-                kt[1] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
+            kt[1] += c.get("graph_executions", 0) - before.get("graph_executions", 0)
+
     def _account_verify(self, s: Seq, n_acc: int) -> None:
         if s.last_c is not None and s.conf_logits is not None and self.adaptive:
             self._observe_block(s, n_acc)
