@@ -1,20 +1,35 @@
 """The adaptive DSpark policy: stepping aside (draft | probe | skip per step, from acceptances
 observed in earlier steps only), the per-request acceptance evidence, calibrated confidences and the
 online calibration feed, and the static rounds' admission inputs. A mixin of `Engine`: it reads the
-engine's `cfg`, `calib`, `gamma`, `adaptive`, `_c_mean`, `_observed`, `_skipped`, `_probe_gap` and
-`ensure_cost()`.
+engine's `cfg`, `gamma`, `spec` and `ensure_cost()`; its own state (`calib`, `adaptive`, `_observed`,
+`_skipped`, `_probe_gap`, `_c_mean`) is set by `_init_policy`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .calibration import Calibration, regime
+from .calibration import Calibration, OnlineCalibrator, regime
 from .seq import Seq
 from .step_cost import drafting_pays, expected_survivals
 
 
 class AdaptivePolicy:
+    def _init_policy(self) -> None:
+        """The policy's state (called by Engine.__init__ once spec and gamma are known)."""
+        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
+                      if self.spec else None)
+        # calibrated confidences, draft-cost-aware admission and stepping aside, on eager steps and in
+        # the static rounds alike (the calibration and the step table are round inputs, a stepped-aside
+        # round is graph 1 alone): the same request and seed give the same tokens in both modes
+        self.adaptive = self.cfg.dspark_adaptive
+        # a step's verified blocks enter the online calibration after the step's drafting, in both
+        # modes: the static draft graph reads the calibration as an input taken before the round
+        self._observed: list[tuple] = []
+        self._skipped = 0  # consecutive steps whose drafts stepped aside
+        self._probe_gap = self.cfg.probe_every  # steps aside before the next probe (see _drafting_decision)
+        self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
+
     def _load_calibration(self) -> Calibration:
         if self.cfg.calibration_path:
             return Calibration.load(self.cfg.calibration_path, self.gamma)

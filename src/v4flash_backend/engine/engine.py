@@ -27,7 +27,6 @@ from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.settings import Settings
 
 from .adaptive import AdaptivePolicy
-from .calibration import OnlineCalibrator
 from .eager_step import EagerStep
 from .logits import LogitProcessing
 from .round_step import StaticRoundStep, unpack_confidence
@@ -56,15 +55,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if self.cfg.spec_mode != "off" and runner.drafter is None:
             self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
-        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
-                      if self.spec else None)
-        # calibrated confidences, draft-cost-aware admission and stepping aside, on eager steps and in
-        # the static rounds alike (the calibration and the step table are round inputs, a stepped-aside
-        # round is graph 1 alone): the same request and seed give the same tokens in both modes
-        self.adaptive = self.cfg.dspark_adaptive
-        # a step's verified blocks enter the online calibration after the step's drafting, in both
-        # modes: the static draft graph reads the calibration as an input taken before the round
-        self._observed: list[tuple] = []
+        self._init_policy()
         self.free = list(range(self.cfg.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[Seq] = []
@@ -76,9 +67,6 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self.step_lock = threading.RLock()
         self.cost: StepCost | None = None
         self.clock = clock  # the step-cost profile's timer (step_profile.StepProfiler)
-        self._skipped = 0  # consecutive steps whose drafts stepped aside
-        self._probe_gap = self.cfg.probe_every  # steps aside before the next probe (see _drafting_decision)
-        self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
         self._init_stats()
         self._kind = "draft"  # the decision of the step in progress
         self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
