@@ -45,7 +45,11 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
     """The scheduler core (admission, segments, the step loop, finishing, events); the concerns it
     combines live in their own modules: `stats` (counters), `adaptive` (stepping aside, probes,
     calibration feed), `step_profile` (the step cost), `eager_step` / `round_step` (the two kinds
-    of step), `logits` (logit processing and sampling inputs)."""
+    of step), `logits` (logit processing and sampling inputs). Mixins rather than objects of their
+    own: every concern reads and updates the same requests (`Seq`) and counters within one step, and
+    callers override single methods of an Engine (perf/bench_dspark's oracle `_confidence_logits`,
+    tests' `_drafting_decision`). The step-cost profile is an object (`StepProfiler`): it shares
+    nothing with a step but the runner."""
 
     def __init__(self, runner: Runner, config: Settings | None = None,
                  clock: Callable[[], float] = time.perf_counter):

@@ -17,6 +17,7 @@ KIND_OF = {"draft": "draft", "probe": "probe", "skip": "aside"}
 
 CONTEXT_IDS = 8  # committed ids sent before each chunk, for exact stateless detokenization
 
+
 @dataclass
 class Event:
     request_id: str
