@@ -198,7 +198,7 @@ def test_eager_host_syncs_are_counted_only_when_asked(tiny_model):
     in-process client pass; `generate --step-report` sets it): uncounted, the stats say None (not
     measured) and the Prometheus gauge keeps its value instead of reading 0; counted, the eager
     forward's syncs are seen, and the tokens are the same either way."""
-    from v4flash_backend.group.worker import build_runner
+    from v4flash_backend.group.build import build_runner
 
     out = {}
     for count in (False, True):

@@ -12,8 +12,6 @@
   re-trace while serving, same tokens (slow).
 """
 
-import time
-
 import pytest
 import torch
 
@@ -452,7 +450,6 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
     stand-ins advance: the forward table must show each bucket's stepped-aside time for the
     B = S x (1 + G) tokens it holds, the draft seconds exactly the 40 ms by R (tolerance 1e-9 s:
     float sums of the fake clock; no wall-clock time is read, so machine load cannot move it)."""
-    from v4flash_backend.engine import step_cost
 
     sr = StaticRunner(tiny_model, 4, 64, settings=NeuronSettings(backend="none"))
     monkeypatch.setattr(sr, "forward", lambda *a, **k: pytest.fail("the SPS profile ran the eager forward"))
@@ -466,11 +463,9 @@ def test_sps_profile_of_a_static_runner_times_its_round_graphs(tiny_model, monke
 
     monkeypatch.setattr(sr.graphs, "round", fake_round)
     monkeypatch.setattr(sr.ngraphs, "round", fake_round)  # the stepped-aside round: the plain-decode graph
-    # the profile's timer is interleaved_medians' `clock` (default time.perf_counter); the engine passes
-    # none, so the default is replaced on the function object, wherever the engine imported it from
-    assert step_cost.interleaved_medians.__defaults__ == (time.perf_counter,)
-    monkeypatch.setattr(step_cost.interleaved_medians, "__defaults__", (lambda: now[0],))
-    eng = Engine(sr, Settings(max_num_seqs=4, max_model_len=64, sps_path=str(tmp_path / "sps.json")))
+    # the profile's timer is the engine's injected clock (step_profile passes it to interleaved_medians)
+    eng = Engine(sr, Settings(max_num_seqs=4, max_model_len=64, sps_path=str(tmp_path / "sps.json")),
+                 clock=lambda: now[0])
     cost = eng.ensure_cost()
     Q = 1 + eng.gamma
     sizes = list(cost.forward.sizes)

@@ -283,7 +283,7 @@ def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
     step aside (the last block's survivals alone did: 191 of 290 steps stepped aside at batch 1 on
     the embedded model); blocks admit keeps declining pull the estimate down, so a request the head
     keeps doubting stops paying for the draft stages; verified outcomes count as they fell."""
-    from v4flash_backend.engine.engine import _Seq
+    from v4flash_backend.engine.seq import Seq
 
     eng = _engine(tiny_model, dspark_adaptive=True)
     G = eng.gamma
@@ -292,7 +292,7 @@ def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
     prior = eng.calib.acceptance_rates("greedy")
     assert prior == [0.5] * G
     cost = flat_cost(draft_s=0.020)  # 40 ms forward, 20 ms drafting: pays when the survivals sum > 0.5
-    s = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])
+    s = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])
     assert eng._expected_survivals(s) == pytest.approx(expected_survivals(prior))
     for _ in range(6):  # six blocks, every admitted draft accepted
         s.ell, s.last_c, s.conf_logits = G, [0.9] * G, torch.zeros(G)
@@ -309,12 +309,12 @@ def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
     assert doubted[0] < 0.25 and not drafting_pays(cost, [doubted])[0]
     # verified outcomes: draft 0 accepted, draft 1 rejected -> position 1 reached, not accepted;
     # positions 2.. not reached (no evidence)
-    t = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=1, tokens=[0, 1])
+    t = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=1, tokens=[0, 1])
     t.ell, t.last_c, t.conf_logits = 3, [0.5] * G, torch.zeros(G)
     eng._account_verify(t, 1)
     assert t.ev_trials == [1.0, 1.0, 0.0, 0.0, 0.0] and t.ev_hits == [1.0, 0.0, 0.0, 0.0, 0.0]
     # every verified draft accepted: the unverified ones count with the head's calibrated chances
-    u = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=2, tokens=[0, 1])
+    u = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=2, tokens=[0, 1])
     u.ell, u.last_c, u.conf_logits = 2, [0.5, 0.5, 0.8, 0.5, 0.4], torch.zeros(G)
     eng._account_verify(u, 2)
     assert u.ev_trials == pytest.approx([1, 1, 1, 0.8, 0.4]) and u.ev_hits == pytest.approx([1, 1, 0.8, 0.4, 0.16])
@@ -325,11 +325,11 @@ def test_a_new_engines_prior_is_the_calibrated_head(tiny_model):
     calibrated confidence of its drafted blocks rather than 1: at T = 1 the first blocks' c says at
     once that drafts are rarely accepted (without it a short request drafted on a prior of 1
     throughout: DSpark 0.85x plain at batch 1, T = 1)."""
-    from v4flash_backend.engine.engine import _Seq
+    from v4flash_backend.engine.seq import Seq
 
     eng = _engine(tiny_model, dspark_adaptive=True)
     G = eng.gamma
-    s = _Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8, temperature=1.0), slot=0, tokens=[0, 1])
+    s = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8, temperature=1.0), slot=0, tokens=[0, 1])
     assert eng._expected_survivals(s) == [1.0] * G  # nothing known: try drafting
     logit = float(torch.logit(torch.tensor(0.3)))
     eng._calibrated([s], torch.full((1, G), logit))  # the golden checkpoint ships no calibration

@@ -49,14 +49,11 @@ def cmd_generate(args) -> int:
 
 def generate_in_process(args) -> int:
     """One request through an in-process Engine on the runner a W = 1 rank would build
-    (`group.worker.build_runner`: LocalRunner, or the static round graphs with --decode-graph static)."""
+    (`group.build.build_engine`: LocalRunner, or the static round graphs with --decode-graph static)."""
     import time
 
-    from v4flash_backend import ops
-    from v4flash_backend.engine.engine import Engine
     from v4flash_backend.group import rank_group
-    from v4flash_backend.group.worker import build_runner
-    from v4flash_backend.model.loading import load_model
+    from v4flash_backend.group.build import InProcessRefused, build_engine
     from v4flash_backend.request import GenerateRequest, RequestError
 
     prompt, tok = rank_group.generate_prompt(args)
@@ -65,10 +62,11 @@ def generate_in_process(args) -> int:
         return 2
     settings = rank_group.generate_settings(args, prompt)
     t0 = time.perf_counter()
-    ops.set_backend(settings.ops_backend)
-    if settings.numerics:
-        ops.set_numerics(settings.numerics)
-    engine = Engine(build_runner(load_model(settings.checkpoint_dir), settings), settings)
+    try:
+        engine = build_engine(settings)
+    except InProcessRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t1 = time.perf_counter()
     events, first = [], []
 

@@ -6,6 +6,10 @@
 table), `dspark_accept` (Markov drafting, lossless verification), `calibration` (STS of the
 confidence head), `step_cost` (the step's real cost, stepping aside), `device_boundary` (host-sync
 and boundary counters), `engine` (continuous
-batching: admission, segmented prefill, decode with DSpark, slots, stop conditions, cancellation),
+batching: admission, segmented prefill, the step loop, slots, stop conditions, cancellation; `Engine`
+combines the modules of its other concerns: `seq` (a request's state, its events), `stats` (counters),
+`adaptive` (stepping aside, probes, calibration feed), `step_profile` (timing the step cost),
+`eager_step` / `round_step` (an eager step and its drafting / a static decode round), `logits` (logit
+processing and the sampling inputs)),
 `single` (one sequence, no engine: the reference decode loop the CLI's in-process generate uses).
 """

@@ -134,6 +134,31 @@ def _scores(c: torch.Tensor, label: torch.Tensor, bins: int, objective: str) -> 
     return (sc - sl).abs().sum(-1) / n
 
 
+def _window(around: tuple[float, float]) -> tuple[range, range]:
+    """The grid's T and b index ranges within LOCAL_RADIUS steps of the point nearest to around=(T, b)."""
+    rt, rb = LOCAL_RADIUS
+    it = int((T_GRID.log() - math.log(max(float(around[0]), 1e-12))).abs().argmin())
+    ib = int((B_GRID - float(around[1])).abs().argmin())
+    return (range(max(0, it - rt), min(len(T_GRID), it + rt + 1)),
+            range(max(0, ib - rb), min(len(B_GRID), ib + rb + 1)))
+
+
+def _on_edge(p: tuple[float, float], ti: range, bi: range) -> bool:
+    """Whether grid point p lies on the window's edge where the whole grid goes on past it."""
+    jt = int((T_GRID - p[0]).abs().argmin())
+    jb = int((B_GRID - p[1]).abs().argmin())
+    return ((jt in (ti.start, ti.stop - 1) and jt not in (0, len(T_GRID) - 1))
+            or (jb in (bi.start, bi.stop - 1) and jb not in (0, len(B_GRID) - 1)))
+
+
+def _finer_grid(p: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """A 4x finer grid around p: T within one coarse step, b within one coarse step."""
+    t0, b0 = p
+    t_step = float(T_GRID[1] / T_GRID[0])
+    b_step = float(B_GRID[1] - B_GRID[0])
+    return [t0 * t_step ** (i / 4) for i in range(-4, 5)], [b0 + b_step * j / 4 for j in range(-4, 5)]
+
+
 def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece",
               refine: bool = False, around: tuple[float, float] | None = None,
               stats: dict | None = None) -> tuple[float, float]:
@@ -184,24 +209,12 @@ def _grid_fit(score_fn, label: torch.Tensor, bins: int, objective: str = "ece",
     if around is None:
         best, best_p = search(*full)
     else:
-        rt, rb = LOCAL_RADIUS
-        it = int((T_GRID.log() - math.log(max(float(around[0]), 1e-12))).abs().argmin())
-        ib = int((B_GRID - float(around[1])).abs().argmin())
-        ti = range(max(0, it - rt), min(len(T_GRID), it + rt + 1))
-        bi = range(max(0, ib - rb), min(len(B_GRID), ib + rb + 1))
+        ti, bi = _window(around)
         best, best_p = search(ti, bi)
-        jt = int((T_GRID - best_p[0]).abs().argmin())
-        jb = int((B_GRID - best_p[1]).abs().argmin())
-        on_edge = ((jt in (ti.start, ti.stop - 1) and jt not in (0, len(T_GRID) - 1))
-                   or (jb in (bi.start, bi.stop - 1) and jb not in (0, len(B_GRID) - 1)))
-        if on_edge:
+        if _on_edge(best_p, ti, bi):
             best, best_p = search(*full)
     if refine:
-        t0, b0 = best_p
-        t_step = float(T_GRID[1] / T_GRID[0])
-        b_step = float(B_GRID[1] - B_GRID[0])
-        ts = [t0 * t_step ** (i / 4) for i in range(-4, 5)]
-        bs = [b0 + b_step * j / 4 for j in range(-4, 5)]
+        ts, bs = _finer_grid(best_p)
         tt, bb = torch.tensor(ts, dtype=torch.float64), torch.tensor(bs, dtype=torch.float64)
         best, best_p = scan(ts, bs, grid_scores(tt, bb), best, best_p)
     return best_p

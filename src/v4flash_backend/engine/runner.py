@@ -20,10 +20,19 @@ from v4flash_backend.model.transformer import StepOutput, V41Model
 
 
 class Runner(Protocol):
+    """Every attribute and method the engine uses on a runner (`LocalRunner` has them all; the
+    static-round methods there are defaults that a runner without static rounds never reaches)."""
+
     model: V41Model
     cfg: object  # the ModelConfig
     state: ModelState
     drafter: DSparkDrafter | None  # None: the checkpoint has no DSpark stages
+    decode_graph: str  # "eager" | "static": what the engine's stats report
+    static_rounds: bool  # True: decode-only steps may run as `decode_round` (when `round_fits`)
+    # what a device would see, counted by the runner: graph_executions, host_syncs,
+    # host_to_device_bytes (+ a static runner's prefill_graphs, graphs_compiled, eager_forwards ...)
+    counters: dict
+    counts_host_syncs: bool  # False: host_syncs is not counted (the stats report None, not 0)
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's state (a new request takes it)."""
@@ -36,6 +45,21 @@ class Runner(Protocol):
     def dspark(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]],
                items: list[tuple[int, int, int]]) -> DraftOutput | None:
         """Ring writes of committed rows, then draft blocks for items [(slot, p, anchor)]."""
+
+    def round_fits(self, seqs: int, ctx_needed: int) -> bool:
+        """Whether a decode round of `seqs` sequences needing `ctx_needed` cache rows has a graph."""
+
+    def decode_round(self, plan: dict) -> list[list[int]]:
+        """One decode round in the static graphs (trn2.static_round); one read-back row a sequence."""
+
+    def load_block(self, slot: int, block) -> None:
+        """A draft block drafted on the host into the slot's device-resident block."""
+
+    def read_block(self, slot: int):
+        """The slot's device-resident draft block, for an eager step after static rounds."""
+
+    def set_counts(self, slot: int, generated) -> None:
+        """The slot's generated-token counts (the penalties' input) set from `generated`."""
 
 
 class LocalRunner:
@@ -100,3 +124,20 @@ class LocalRunner:
             out = d.draft(self.state, items) if items else None
         self._count(hs.total + (out is not None), h2d)
         return out
+
+    # no static rounds here (static_rounds is False): the engine never calls the methods below on
+    # this runner; a runner with static rounds (trn2.neuron.StaticRunner) overrides them
+    def round_fits(self, seqs: int, ctx_needed: int) -> bool:
+        return False
+
+    def decode_round(self, plan: dict) -> list[list[int]]:
+        raise NotImplementedError(f"{type(self).__name__} has no static decode rounds (decode_graph eager)")
+
+    def load_block(self, slot: int, block) -> None:
+        raise NotImplementedError(f"{type(self).__name__} holds no device-resident draft blocks")
+
+    def read_block(self, slot: int):
+        raise NotImplementedError(f"{type(self).__name__} holds no device-resident draft blocks")
+
+    def set_counts(self, slot: int, generated) -> None:
+        raise NotImplementedError(f"{type(self).__name__} holds no device-resident token counts")

@@ -3,7 +3,7 @@ sets the rank's environment, then becomes `python -m v4flash_backend.group.worke
 
 Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
 `LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
-(decode_graph static; `build_runner`). Rank 0 owns the request queue, the
+(decode_graph static; `group.build.build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
 > 0 (`follow`) execute the same `LocalRunner` method on the same inputs and meet rank 0 in the
@@ -294,10 +294,10 @@ class PlanRunner:
         self.heartbeat_s = heartbeat_s
         self.last_send = time.monotonic()
         self.sent = {name: 0 for name in OP_NAMES.values()}
-        self.decode_graph = getattr(local, "decode_graph", "eager")
-        self.static_rounds = getattr(local, "static_rounds", False)
+        self.decode_graph = local.decode_graph  # the engine.runner.Runner attributes, the local runner's
+        self.static_rounds = local.static_rounds
         self.counters = local.counters
-        self.counts_host_syncs = getattr(local, "counts_host_syncs", True)
+        self.counts_host_syncs = local.counts_host_syncs
 
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         return self.local.round_fits(seqs, ctx_needed)  # a pure function of the plan: no broadcast
@@ -811,6 +811,8 @@ def main(argv=None) -> int:
         from v4flash_backend.model.loading import load_model
 
         model = load_model(settings.checkpoint_dir)
+    from v4flash_backend.group.build import build_runner
+
     local = build_runner(model, settings, rank)
     if lay.pipeline > 1:  # the stage's caches only (eager runner: its ModelState is plain per-layer dicts)
         from v4flash_backend.parallel.pipeline import trim_state
@@ -858,51 +860,13 @@ def _check_rank_env(settings) -> None:
                          "ranks with `torchrun ... -m v4flash_backend.group.rank_entry` (rank_group.node_command)")
 
 
-def build_runner(model, settings, rank: int = 0, progress=sys.stderr):
-    """This rank's runner: decode_graph static -> the static round graphs (compiled with
-    graph_backend, every bucket at start), eager -> the op-by-op LocalRunner. Every rank builds the
-    same kind, so the ranks meet in the same collectives."""
-    from v4flash_backend.engine.runner import LocalRunner
-
-    if settings.decode_graph_mode != "static":
-        return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,  # +1: the SPS scratch slot
-                           count_host_syncs=settings.count_host_syncs)
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
-
-    ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
-    # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
-    runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
-                          prefill_rows=settings.prefill_chunk)
-    if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
-        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
-
-        from v4flash_backend.ops import nki_ops
-        from v4flash_backend.trn2.neuron import place_resident
-
-        _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
-        os.environ["V4FLASH_NKI_STRICT"] = "1"
-    mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
-    t0 = time.monotonic()
-    from v4flash_backend.engine.engine import STOP_WIDTH
-
-    runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
-                          stop_width=STOP_WIDTH, processed=settings.warm_processed)
-    if settings.dspark_adaptive or mode == "off":  # rounds that neither verify nor draft: 1 row per sequence
-        runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
-                               processed=settings.warm_processed)
-    runner.warm_up_prefill(progress if rank == 0 else None)
-    _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
-               f"{time.monotonic() - t0:.1f} s")
-    return runner
-
-
 def _serve_rank0(args, settings, lay, coll, local, pids, secret: bytes | None = None) -> int:
-    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.group.build import build_engine
 
     stop = threading.Event()
     info = {"world_size": lay.world, "attn_group_size": lay.group_size, "pids": pids,
             "pipeline_parallel": lay.pipeline, "driver_rank": lay.driver,
-            "decode_graph": getattr(local, "decode_graph", "eager"),
+            "decode_graph": local.decode_graph,
             "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len}
 
     def on_sigterm(*_):  # torchrun stopping the group (e.g. after another rank died)
@@ -911,7 +875,7 @@ def _serve_rank0(args, settings, lay, coll, local, pids, secret: bytes | None = 
 
     signal.signal(signal.SIGTERM, on_sigterm)
     plan = PlanRunner(local, coll, settings.plan_size, settings.heartbeat_s, lay.driver)
-    engine = Engine(plan, settings)
+    engine = build_engine(settings, plan)
 
     def extra():
         return {"collectives_total": coll.as_json(dict(coll.total)),

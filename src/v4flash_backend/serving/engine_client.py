@@ -58,22 +58,15 @@ class InProcessEngine:
     """The Engine on a daemon thread of this process (W = 1)."""
 
     def __init__(self, settings: Settings, log: Callable[[str], None] = print):
-        from v4flash_backend import ops
-        from v4flash_backend.engine.engine import Engine
-        from v4flash_backend.engine.runner import LocalRunner
-        from v4flash_backend.model.loading import load_model
+        """The engine `group.build.build_engine` builds for these settings (decode_graph static: the
+        static round graphs, warmed here); a setting it cannot honour in process (world_size > 1,
+        pipeline_parallel, sequence_parallel) raises `group.build.InProcessRefused`."""
+        from v4flash_backend.group.build import build_engine
 
         self._log = log
-        ops.set_backend(settings.ops_backend)
-        if settings.numerics:
-            ops.set_numerics(settings.numerics)
-        model = load_model(settings.checkpoint_dir)
-        self.vocab_size = model.cfg.vocab_size
+        self.engine = build_engine(settings)
+        self.vocab_size = self.engine.mcfg.vocab_size
         self.max_model_len = settings.max_model_len
-        # One slot more than max_num_seqs: the engine profiles its steps/s table on the last.
-        runner = LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,
-                             count_host_syncs=settings.count_host_syncs)
-        self.engine = Engine(runner, settings)
         if self.engine.spec:
             self.engine.ensure_cost()  # at load time, not in the first request's latency
         self._stop = threading.Event()

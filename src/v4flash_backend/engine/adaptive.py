@@ -1,0 +1,137 @@
+"""The adaptive DSpark policy: stepping aside (draft | probe | skip per step, from acceptances
+observed in earlier steps only), the per-request acceptance evidence, calibrated confidences and the
+online calibration feed, and the static rounds' admission inputs. A mixin of `Engine`: it reads the
+engine's `cfg`, `gamma`, `spec` and `ensure_cost()`; its own state (`calib`, `adaptive`, `_observed`,
+`_skipped`, `_probe_gap`, `_c_mean`) is set by `_init_policy`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .calibration import Calibration, OnlineCalibrator, regime
+from .seq import Seq
+from .step_cost import drafting_pays, expected_survivals
+
+
+class AdaptivePolicy:
+    def _init_policy(self) -> None:
+        """The policy's state (called by Engine.__init__ once spec and gamma are known)."""
+        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
+                      if self.spec else None)
+        # calibrated confidences, draft-cost-aware admission and stepping aside, on eager steps and in
+        # the static rounds alike (the calibration and the step table are round inputs, a stepped-aside
+        # round is graph 1 alone): the same request and seed give the same tokens in both modes
+        self.adaptive = self.cfg.dspark_adaptive
+        # a step's verified blocks enter the online calibration after the step's drafting, in both
+        # modes: the static draft graph reads the calibration as an input taken before the round
+        self._observed: list[tuple] = []
+        self._skipped = 0  # consecutive steps whose drafts stepped aside
+        self._probe_gap = self.cfg.probe_every  # steps aside before the next probe (see _drafting_decision)
+        self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
+
+    def _load_calibration(self) -> Calibration:
+        if self.cfg.calibration_path:
+            return Calibration.load(self.cfg.calibration_path, self.gamma)
+        return Calibration.for_checkpoint(self.cfg.checkpoint_dir, self.gamma)
+
+    def _drafting_decision(self, seqs: list[Seq]) -> str:
+        """draft | probe | skip for this step (dspark_adaptive; see step_cost.drafting_pays). Uses only
+        acceptances observed in earlier steps, never this step's draws."""
+        if self.cfg.spec_mode != "dspark" or not self.adaptive:
+            return "draft"
+        surv = [self._expected_survivals(s) for s in seqs]
+        if drafting_pays(self.ensure_cost(), surv)[0]:
+            self._skipped = 0
+            self._probe_gap = self.cfg.probe_every
+            return "draft"
+        self._skipped += 1
+        if self._skipped >= self._probe_gap:
+            # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
+            # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
+            # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
+            # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
+            # still seen within probe_max_every steps
+            self._skipped = 0
+            self._probe_gap = max(self.cfg.probe_every, min(2 * self._probe_gap, self.cfg.probe_max_every))
+            return "probe"
+        return "skip"
+
+    def _adaptive_plan(self, seqs: list[Seq], decision: str) -> dict:
+        """The draft graph's admission inputs (static_round.draft_round): with dspark_adaptive, each
+        row's calibration (T_k, b_k) of its regime and the draft seconds by live rows R (admission
+        then reads `StepCost.sps_for(R)`, as `_draft`); without, the raw head (T = 0) and the
+        forward's table. A probe admits one draft per row."""
+        G, S = self.gamma, len(seqs)
+        if self.adaptive:
+            cost = self.ensure_cost()
+            cal = [self.calib.cal.of(regime(s.req.temperature)) for s in seqs]
+            t_draft = [cost.t_draft(r) for r in range(S + 1)]
+        else:
+            cal, t_draft = [[(0.0, 0.0)] * G] * S, [0.0] * (S + 1)
+        return dict(cal=cal, t_draft=t_draft, fixed_ell=[1 if decision == "probe" else -1] * S)
+
+    # the stepping-aside estimate (README "Speculation that steps aside"): a request's acceptance
+    # per position, its regime's observed rate as a prior worth PRIOR_BLOCKS blocks, then its own
+    # blocks with weight EVIDENCE_DECAY^age. Measured on the embedded model (batch 1, greedy): the
+    # last block's survivals alone, one noisy block, stepped aside on 191 of 290 steps where
+    # drafting every step (fixed-5) was 1.4x faster.
+    PRIOR_BLOCKS = 2.0
+    EVIDENCE_DECAY = 0.75
+    C_MEAN_RATE = 0.1
+
+    def _expected_survivals(self, s: Seq) -> list[float]:
+        """The prefix survivals a request's next block is expected to reach, from past blocks only
+        (never this step's draws: the decision they feed is independent of them, so lossless).
+        The prior: the regime's observed acceptance where the window has evidence, else the mean
+        calibrated confidence of the regime's drafted blocks (a new engine: at T = 1 the first
+        blocks' calibrated c ~ 0.3 says at once what 8 observed blocks would), else 1."""
+        reg = regime(s.req.temperature)
+        prior = self.calib.acceptance_rates(reg, fallback=self._c_mean.get(reg))
+        if s.ev_trials is None:
+            return expected_survivals(prior)
+        P = self.PRIOR_BLOCKS
+        return expected_survivals([(P * r + h) / (P + n) for r, h, n in zip(prior, s.ev_hits, s.ev_trials)])
+
+    def _observe_block(self, s: Seq, n_acc: int) -> None:
+        """A verified block enters the request's evidence: position k < ell was reached if drafts
+        < k were accepted, and accepted if n_acc > k; a position admit left unverified counts in
+        expectation under the calibrated head (reached with probability prod c_i over the
+        unverified i < k, accepted with c_k), so a block that admit declined still speaks -- a
+        request whose blocks admit keeps declining stops paying for the draft stages."""
+        G, c = self.gamma, s.last_c
+        if s.ev_trials is None:
+            s.ev_trials, s.ev_hits = [0.0] * G, [0.0] * G
+        lam = self.EVIDENCE_DECAY
+        reach = 1.0
+        for k in range(G):
+            s.ev_trials[k] *= lam
+            s.ev_hits[k] *= lam
+            if k < s.ell:
+                if n_acc >= k:
+                    s.ev_trials[k] += 1.0
+                    s.ev_hits[k] += float(n_acc > k)
+            elif n_acc == s.ell:  # every verified draft accepted: k is reached in expectation
+                s.ev_trials[k] += reach
+                s.ev_hits[k] += reach * c[k]
+                reach *= c[k]
+    def _flush_observations(self) -> None:
+        """The step's verified blocks into the online calibration (after its drafting: see __init__)."""
+        obs, self._observed = self._observed, []
+        for o in obs:
+            self.calib.observe(*o)
+
+    def _calibrated(self, seqs: list[Seq], conf_logits: torch.Tensor) -> torch.Tensor:
+        """The calibrated confidences [R, G] of the seqs' new blocks (each in its request's regime).
+        Every drafted block's conditionals, a probe's included, become the request's `last_c`: when
+        the block is verified they enter the request's evidence (`_observe_block`), which the
+        decision to step aside reads (a probe that left them stale kept a request aside for good);
+        the regime's mean calibrated confidence, the prior of a new engine, follows them. Eager
+        drafting and static rounds alike."""
+        regs = [regime(s.req.temperature) for s in seqs]
+        c = self.calib.cal.confidence(conf_logits, regs)
+        for s, reg, ck in zip(seqs, regs, c.tolist()):
+            s.last_c = ck
+            m = self._c_mean.get(reg)  # the regime's mean calibrated confidence (EWMA over blocks)
+            self._c_mean[reg] = ck if m is None else [x + self.C_MEAN_RATE * (y - x) for x, y in zip(m, ck)]
+        return c

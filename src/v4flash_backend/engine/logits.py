@@ -1,0 +1,104 @@
+"""Logit processing shared by drafts and verification (penalties, min_tokens, stop ids), the
+requests' sampling parameters and noise, and log-probs of committed tokens. A mixin of `Engine`."""
+
+from __future__ import annotations
+
+import torch
+
+from .noise import CounterSampler
+from .precision import loop_dtype
+from .sampling import LOGPROB_WIDTH, SamplingParams, apply_penalties, mask_stop_tokens, token_logprobs
+from .seq import Seq
+
+
+class LogitProcessing:
+    def _params(self, seqs: list[Seq]) -> SamplingParams:
+        return SamplingParams.make(len(seqs), [s.req.temperature for s in seqs], [s.req.top_k for s in seqs],
+                                   [s.req.top_p for s in seqs])
+
+    def _sampler(self, seqs: list[Seq], stream: int, rnd_offset: int = 0) -> CounterSampler:
+        """The requests' noise of this sampling round (noise.py): the same draws the static graphs
+        compute, so eager and static serving give the same tokens."""
+        return CounterSampler([s.seed for s in seqs], [s.rounds + rnd_offset for s in seqs], stream)
+
+    # ---- logit processing shared by drafts and verification ---------------------------------------
+    def _process_target(self, logits: torch.Tensor, seqs: list[Seq], positions: list[list[int]]) -> torch.Tensor:
+        """The target's logit processors on verify rows: request i's rows predict its output tokens
+        positions[i] (rows in request order); row j of a decoding request follows its committed
+        output and its first j admitted drafts. The draft slots that predict the same positions go
+        through the same function (_draft_logit_fn), which keeps DSpark lossless under them."""
+        if not self._processed(seqs):
+            return logits
+        counts = [len(p) for p in positions]
+        if any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs):
+            rows = []
+            for s, ps in zip(seqs, positions):
+                base = self._output_counts(s)
+                drafts = s.draft[0][: len(ps) - 1] if len(ps) > 1 else torch.zeros(0, dtype=torch.long)
+                before = torch.nn.functional.one_hot(drafts, base.shape[0]).cumsum(0).to(base.dtype)
+                rows.append(torch.cat([base.unsqueeze(0), base + before], 0)[: len(ps)])
+            rep = torch.tensor(counts)
+            logits = apply_penalties(logits, torch.cat(rows, 0),
+                                     torch.tensor([s.req.frequency_penalty for s in seqs]).repeat_interleave(rep),
+                                     torch.tensor([s.req.presence_penalty for s in seqs]).repeat_interleave(rep))
+        if any(s.req.min_tokens for s in seqs):
+            stop = self._stop_ids(seqs).repeat_interleave(torch.tensor(counts), 0)
+            active = torch.tensor([pos < s.req.min_tokens for s, ps in zip(seqs, positions) for pos in ps])
+            logits = mask_stop_tokens(logits, stop, active)
+        return logits
+
+    def _draft_logit_fn(self, seqs: list[Seq]):
+        """Draft slot k of request i predicts its output token n_out + k after its committed output
+        and drafts x_1..x_k: the same processors as the verify row that will check it (None when no
+        request needs any)."""
+        if not self._processed(seqs):
+            return None
+        stop = self._stop_ids(seqs)
+        n_out = torch.tensor([s.n_out for s in seqs])
+        min_tokens = torch.tensor([s.req.min_tokens for s in seqs])
+        penalised = any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+        base = torch.stack([self._output_counts(s) for s in seqs]) if penalised else None
+        freq = torch.tensor([s.req.frequency_penalty for s in seqs])
+        pres = torch.tensor([s.req.presence_penalty for s in seqs])
+
+        def fn(k, z, drafted):
+            if penalised:
+                counts = base + torch.nn.functional.one_hot(drafted, base.shape[1]).sum(1).to(base.dtype)
+                z = apply_penalties(z, counts, freq, pres)
+            return mask_stop_tokens(z, stop, n_out + k < min_tokens)
+
+        return fn
+
+    @staticmethod
+    def _processed(seqs: list[Seq]) -> bool:
+        return any(s.req.min_tokens or s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
+
+    def _output_counts(self, s: Seq) -> torch.Tensor:
+        """[V] how often each id occurs in the request's generated tokens (the prompt does not count)."""
+        out = torch.tensor(s.tokens[len(s.req.prompt):], dtype=torch.long)
+        return torch.bincount(out, minlength=self.mcfg.vocab_size).to(loop_dtype())  # exact counts either way
+
+    def _logprobs(self, s: Seq, logits: torch.Tensor, tokens: list[int]) -> list | None:
+        """[logprob, rank, top alternatives] of each committed token under the (processed) target row
+        that produced it: a token from an accepted draft is scored by the verify row that accepted
+        it, exactly as if plain decoding had sampled it."""
+        if s.req.logprobs < 0 or not tokens:
+            return None
+        params = SamplingParams.make(len(tokens), s.req.temperature, s.req.top_k, s.req.top_p)
+        lp, rank, top_ids, top_lp = token_logprobs(logits[:len(tokens)], params, torch.tensor(tokens),
+                                                   LOGPROB_WIDTH)  # the graphs' width; the request's first n
+        n = s.req.logprobs
+        out = []
+        for j in range(len(tokens)):
+            alts = [[int(t), float(v)] for t, v in zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())
+                    if v > float("-inf")]
+            out.append([float(lp[j]), int(rank[j]), alts])
+        return out
+
+    def _stop_lists(self, seqs: list[Seq]) -> list[list[int]]:
+        return [list(s.req.stop_token_ids) + ([] if s.req.ignore_eos else [self.mcfg.eos_token_id]) for s in seqs]
+
+    def _stop_ids(self, seqs: list[Seq]) -> torch.Tensor:
+        lists = self._stop_lists(seqs)
+        width = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long)

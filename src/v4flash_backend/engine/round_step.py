@@ -1,0 +1,128 @@
+"""A static step: every running request decodes, and the runner's static round graphs run the
+whole round (`runner.decode_round`); the host builds the round's plan and commits its read-back.
+A mixin of `Engine`."""
+
+from __future__ import annotations
+
+import torch
+
+from .dspark_sched import sps_tensors
+from .precision import unpack_bits
+from .sampling import LOGPROB_COLS, unpack_logprobs
+from .seq import KIND_OF, ON_DEVICE, STOP_WIDTH, Seq
+
+
+def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
+    """The new block's [G] f32 confidence logits in a static round's read-back row (columns
+    2G+5.., `loop_dtype` bits: trn2.static_round.pack, `precision.pack_bits`)."""
+    return unpack_bits(row[G + 5:2 * G + 5]).float()
+
+
+
+class StaticRoundStep:
+    def _static_ok(self) -> bool:
+        """A step runs as a static decode round when every running request decodes (no prefill
+        rows) and the runner has a bucket for it."""
+        r = self.runner
+        if not r.static_rounds or not self.running or any(s.prefilling for s in self.running):
+            return False
+        if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
+            return False
+        # min_tokens, penalties and log-probs run in the rounds' processed variant (static_round)
+        return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running))
+
+    def _step_static(self) -> None:
+        """One decode round in the runner's static graphs: verify + acceptance + sampling, then
+        the DSpark rings, the draft block, Markov drafting, confidence and admission, all inside
+        the graphs; the committed tokens (with their counts, the next admitted lengths and the new
+        block's confidence logits) are the one read-back. dspark_adaptive: the same decision as an
+        eager step, taken on the host before the round from host state only (`_drafting_decision`):
+        draft (calibrated admission with the whole step's cost), probe (one draft each) or skip (the
+        round steps aside: graph 1 alone, no ring writes, no draft stages)."""
+        before = dict(self.runner.counters)
+        seqs = list(self.running)
+        decision = self._drafting_decision(seqs) if self.spec else "draft"
+        self._kind = KIND_OF[decision]
+        dspark = self.spec and self.cfg.spec_mode == "dspark"
+        processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs)
+        self._sync_round_state(seqs, processed)
+        in_sync = [s.counted == s.n_out for s in seqs]
+        plan = self._round_plan(seqs, decision, dspark, processed)
+        # [S] rows: tokens[G+1], num, accepted, stopped, next ell (+ the log-probs pack when processed)
+        out = self.runner.decode_round(plan)
+        self.totals["steps"] += 1
+        n = len(out[0])
+        # the runner's block size (also with spec_mode off: then ell stays 0): [G+1 tokens, committed,
+        # accepted, stopped, next ell, G confidence logits (+ the log-probs pack)]
+        G = (n - 5 - LOGPROB_COLS) // (2 + LOGPROB_COLS) if processed else (n - 5) // 2
+        drafted = [s for s, row, synced in zip(seqs, out, in_sync)
+                   if self._commit_round_row(s, row, G, decision, processed, synced)]
+        if drafted and decision == "probe":
+            self.totals["draft_probes"] += 1
+        if drafted and self.adaptive and dspark:  # as _draft: the next decision reads these survivals
+            self._calibrated(drafted, torch.stack([s.conf_logits for s in drafted]))
+        self._retire_finished()
+        self.decode_totals["static_steps"] += 1
+        self._count_step(before)
+
+    def _sync_round_state(self, seqs: list[Seq], processed: bool) -> None:
+        """What the round reads from the runner's per-slot state made current: a block drafted on
+        the host (eager step) moves into it, and, for a processed round, the penalties'
+        generated-token counts."""
+        for s in seqs:  # a block drafted on the host (eager step) moves into the runner's state
+            if s.draft is not None and s.draft != ON_DEVICE:
+                if s.ell:
+                    self.runner.load_block(s.slot, s.draft)
+                s.draft = ON_DEVICE
+        if processed:  # the penalties' generated-token counts on the device must be current
+            for s in seqs:
+                if (s.req.frequency_penalty or s.req.presence_penalty) and s.counted != s.n_out:
+                    self.runner.set_counts(s.slot, s.tokens[len(s.req.prompt):])
+                    s.counted = s.n_out
+
+    def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> dict:
+        """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round)."""
+        L = self.cfg.max_model_len
+        stops = self._stop_lists(seqs)
+        plan = dict(
+            slot=[s.slot for s in seqs], start=[s.n_cached for s in seqs],
+            pending=[s.tokens[s.n_cached] for s in seqs], ell=[s.ell for s in seqs],
+            temperature=[float(s.req.temperature) for s in seqs], top_k=[int(s.req.top_k) for s in seqs],
+            top_p=[float(s.req.top_p) for s in seqs], seed=[s.seed for s in seqs],
+            rnd=[s.rounds for s in seqs], budget=[s.req.max_tokens - s.n_out for s in seqs],
+            len_left=[L - s.n_cached - 1 for s in seqs],
+            stop_ids=[x + [-1] * (STOP_WIDTH - len(x)) for x in stops],
+            spec_mode=self.cfg.spec_mode if self.spec and decision != "skip" else "off",
+            fixed_len=self.cfg.fixed_len, sps=sps_tensors(self.ensure_cost().forward) if dspark else None)
+        if dspark:
+            plan.update(self._adaptive_plan(seqs, decision))
+        if processed:
+            plan.update(n_out=[s.n_out for s in seqs], min_tokens=[s.req.min_tokens for s in seqs],
+                        frequency=[float(s.req.frequency_penalty) for s in seqs],
+                        presence=[float(s.req.presence_penalty) for s in seqs])
+        return plan
+
+    def _commit_round_row(self, s: Seq, row: list[int], G: int, decision: str, processed: bool, in_sync: bool) -> bool:
+        """Commit one request's row of the round's read-back; True when the round drafted it a new
+        block (on the device, with its confidence logits from the row)."""
+        k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
+        self._account_verify(s, n_acc)
+        s.rounds += 1
+        s.n_cached += k
+        if decision == "skip":  # stepped aside: the rings miss these positions (as on an eager step)
+            self.totals["ring_rows_skipped"] += k
+        lps = unpack_logprobs(row[2 * G + 5:], k, s.req.logprobs) if processed and s.req.logprobs >= 0 else None
+        if processed and in_sync:
+            s.counted += k  # the round added its committed tokens to the device counts
+        self._commit(s, row[:k], stopped, lps)
+        if self._done(s) or not self.spec:
+            return False
+        if decision == "skip":
+            s.draft, s.conf_logits, s.last_c, s.ell = None, None, None, 0
+            self.totals["draft_skipped"] += 1
+            return False
+        s.ell, s.draft = nxt, ON_DEVICE
+        s.conf_logits = unpack_confidence(row, G)
+        s.drafted += self.gamma
+        self.totals["drafted"] += self.gamma
+        return True

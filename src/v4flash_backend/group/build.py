@@ -1,0 +1,102 @@
+"""One way to build an engine: `build_engine(settings)` for every place that runs one.
+
+- in this process (`cli.generate_in_process`, `serving.engine_client.InProcessEngine`): the ops
+  backend set, the checkpoint loaded, the runner a W = 1 rank would build (`build_runner`), the
+  `Engine` on it; settings that only a rank group honours are refused (`InProcessRefused`), never
+  ignored;
+- rank 0 of a rank group (`worker`): every rank builds its own runner with `build_runner`, rank 0
+  passes its `PlanRunner` over them as `runner`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+from v4flash_backend.engine.engine import STOP_WIDTH, Engine
+from v4flash_backend.settings import Settings
+
+
+class InProcessRefused(ValueError):
+    """A setting an in-process engine (one rank, no process group) cannot honour."""
+
+
+def in_process_refusals(settings: Settings) -> list[str]:
+    """Why `settings` cannot run as one in-process rank (empty: it can)."""
+    why = []
+    if settings.world_size != 1:
+        why.append(f"world_size={settings.world_size} needs a rank group of that many ranks (launcher torchrun, "
+                   "or `generate --world-size`); in process the engine is one rank")
+    if settings.pipeline_parallel != 1:
+        why.append(f"pipeline_parallel={settings.pipeline_parallel} splits the layers over a rank group's stages "
+                   "(launcher torchrun, or `generate --pipeline-parallel`)")
+    if settings.sequence_parallel:
+        why.append("sequence_parallel splits prefill rows across a rank group's attention group; in process "
+                   "there is none (launcher torchrun, or `generate --world-size`)")
+    return why
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[v4flash rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
+    """This rank's runner: decode_graph static -> the static round graphs (compiled with
+    graph_backend, every bucket at start), eager -> the op-by-op LocalRunner. Every rank builds the
+    same kind, so the ranks meet in the same collectives."""
+    from v4flash_backend.engine.runner import LocalRunner
+
+    if settings.decode_graph_mode != "static":
+        return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,  # +1: the SPS scratch slot
+                           count_host_syncs=settings.count_host_syncs)
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
+    # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
+    runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
+                          prefill_rows=settings.prefill_chunk)
+    if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
+        import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
+
+        from v4flash_backend.ops import nki_ops
+        from v4flash_backend.trn2.neuron import place_resident
+
+        _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
+        os.environ["V4FLASH_NKI_STRICT"] = "1"
+    mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
+    t0 = time.monotonic()
+    runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
+                          stop_width=STOP_WIDTH, processed=settings.warm_processed)
+    if settings.dspark_adaptive or mode == "off":  # rounds that neither verify nor draft: 1 row per sequence
+        runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
+                               processed=settings.warm_processed)
+    runner.warm_up_prefill(progress if rank == 0 else None)
+    _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
+               f"{time.monotonic() - t0:.1f} s")
+    return runner
+
+
+def build_engine(settings: Settings, runner=None, *, model=None, progress=sys.stderr,
+                 clock: Callable[[], float] = time.perf_counter) -> Engine:
+    """The `Engine` the settings describe. runner None: this process is the whole engine -- the
+    settings are checked (`InProcessRefused` lists every setting it cannot honour), the ops backend
+    and numerics set, `model` (default: the checkpoint, loaded) wrapped in `build_runner`'s runner.
+    runner given: rank 0 of a rank group, whose `PlanRunner` drives every rank's runner. `clock`
+    times the step-cost profile."""
+    if runner is None:
+        why = in_process_refusals(settings)
+        if why:
+            raise InProcessRefused("cannot run in process: " + "; ".join(why))
+        from v4flash_backend import ops
+
+        ops.set_backend(settings.ops_backend)
+        if settings.numerics:
+            ops.set_numerics(settings.numerics)
+        if model is None:
+            from v4flash_backend.model.loading import load_model
+
+            model = load_model(settings.checkpoint_dir)
+        runner = build_runner(model, settings, progress=progress)
+    return Engine(runner, settings, clock=clock)
