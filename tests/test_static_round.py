@@ -301,8 +301,13 @@ def _cli(args, cwd):
     return res.stdout.rstrip("\n").split("\n")
 
 
-def test_round_and_block_plans_round_trip():
+@pytest.mark.parametrize("numerics", ["exact", "reference"])
+def test_round_and_block_plans_round_trip(numerics, monkeypatch):
+    """The round plan a follower rank receives equals rank 0's, in both loop dtypes (fp64 under
+    exact numerics, fp32 under reference: the SPS table then crosses as widened float64 bits)."""
     from v4flash_backend.group.worker import pack_block, pack_round, unpack_block, unpack_round
+
+    monkeypatch.setattr(ops, "_numerics", numerics)
 
     plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
                 rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
@@ -313,7 +318,7 @@ def test_round_and_block_plans_round_trip():
     for k in plan:
         if k != "sps":
             assert back[k] == plan[k], k
-    assert torch.equal(back["sps"], pad_sps(plan["sps"]))
+    assert back["sps"].dtype == pad_sps(plan["sps"]).dtype and torch.equal(back["sps"], pad_sps(plan["sps"]))
     plan.pop("cal")  # without dspark_adaptive's inputs (fixed / off rounds): none are sent
     assert "cal" not in unpack_round(*pack_round(plan))
     z = torch.randn(5, 7)

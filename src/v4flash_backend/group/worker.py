@@ -150,7 +150,9 @@ def pack_round(plan: dict):
     floats = torch.tensor([plan[k] for k in _ROUND_FLOATS + (_PROC_FLOATS if proc else ())],
                           dtype=torch.float64).view(torch.int64).reshape(-1)
     stops = _long(plan["stop_ids"])
-    sps = pad_sps(plan.get("sps")).reshape(-1).view(torch.int64)
+    # the table in the loop's dtype (fp32 under the kernels' numerics) crosses as float64 bits: the
+    # widening is exact, and the receiving runner's pad_sps narrows it back to the same values
+    sps = pad_sps(plan.get("sps")).to(torch.float64).reshape(-1).view(torch.int64)
     mode = _MODES.index(plan["spec_mode"]) + (4 if proc else 0)
     return (S, W, mode, int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps, _pack_adaptive(plan, S)])
 
@@ -187,10 +189,10 @@ def unpack_round(a, body: torch.Tensor) -> dict:
     plan = dict(zip(names_i, ints))
     plan.update(zip(names_f, floats))
     plan["stop_ids"] = body[ni + nf:ni + nf + S * W].view(S, W).tolist()
-    from v4flash_backend.trn2.neuron import SPS_WIDTH
+    from v4flash_backend.trn2.neuron import SPS_WIDTH, pad_sps
 
     o = ni + nf + S * W
-    plan["sps"] = body[o:o + 2 * SPS_WIDTH].clone().view(torch.float64).view(2, -1)
+    plan["sps"] = pad_sps(body[o:o + 2 * SPS_WIDTH].clone().view(torch.float64).view(2, -1))
     _unpack_adaptive(body[o + 2 * SPS_WIDTH:], S, plan)
     plan["spec_mode"], plan["fixed_len"] = _MODES[mode], fixed
     return plan
