@@ -71,6 +71,50 @@ def test_the_repository_config_uses_only_known_parameters():
     assert unknown == {} and set(keys) <= {f.name for f in fields(Settings)} | {"dspark"}
 
 
+# Parameters model_repository/v4flash/config.pbtxt may state, each with its reason. A value equal to
+# its default is allowed only as an anchor of docker/Dockerfile.neuron's edit (checked below against
+# the keys that edit rewrites); a value that differs from its default must say why here.
+CONFIG_ANCHORS = {"world_size", "ops_backend", "decode_graph", "startup_timeout_s"}
+CONFIG_DIFFERS: dict[str, str] = {}  # key -> why the repository's model differs from the default
+
+
+def _config_params(text: str) -> dict[str, str]:
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    return dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*{\s*string_value:\s*"([^"]*)"', text))
+
+
+def _config_problems(params: dict[str, str]) -> list[str]:
+    """What config.pbtxt states without a reason: a default restated outside the image's anchors, or a
+    value that differs from its default without an entry in CONFIG_DIFFERS."""
+    default = Settings()
+    by_name = {f.name: f for f in fields(Settings)}
+    problems = []
+    for key, raw in params.items():
+        if key == "dspark":  # the on/off alias of spec_mode
+            key, raw = "spec_mode", ("dspark" if raw.strip().lower() in ("1", "true", "yes", "on") else "off")
+        given, _ = Settings.from_params({key: raw})
+        same = getattr(given, key) == getattr(default, key)  # an empty value keeps the default too
+        if same and key not in CONFIG_ANCHORS:
+            problems.append(f"{key}: restates its default {by_name[key].default!r}")
+        if not same and key not in CONFIG_DIFFERS:
+            problems.append(f"{key}: {raw!r} contradicts its default {by_name[key].default!r} with no reason")
+    return problems
+
+
+def test_config_pbtxt_states_only_what_differs_from_the_defaults():
+    """Every default lives in `Settings`; config.pbtxt restating one (a second place to change) or
+    contradicting one without a reason in CONFIG_DIFFERS fails."""
+    text = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
+    assert _config_problems(_config_params(text)) == []
+    # the anchors are exactly the keys the Neuron image's RUN rewrites
+    docker = (REPO / "docker" / "Dockerfile.neuron").read_text()
+    assert set(re.findall(r'/key: \\?"([a-z_]+)\\?"/s/', docker)) == CONFIG_ANCHORS
+    # a contradicting value or a restated default is caught
+    assert _config_problems({"max_num_seqs": "4"}) == ["max_num_seqs: '4' contradicts its default 8 with no reason"]
+    assert _config_problems({"max_queue_size": "64"}) == ["max_queue_size: restates its default 64"]
+    assert _config_problems({"dspark": "false"})[0].startswith("spec_mode: 'off' contradicts")
+
+
 def test_the_workers_receive_exactly_the_settings_and_flags_win():
     s = Settings(checkpoint_dir="/ckpt", world_size=2, max_num_seqs=3, step_token_budget=77, spec_mode="fixed",
                  queue_timeout_s=9.0, ops_backend="nki-sim")
