@@ -12,7 +12,7 @@ import pytest
 
 from v4flash_backend.group.worker import build_parser, parse_settings
 from v4flash_backend.serving.params import model_parameters
-from v4flash_backend.settings import Settings
+from v4flash_backend.settings import Settings, default_of, env_setting
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def test_environment_overrides_are_declared_on_their_fields():
     declared = {f.metadata["env"]: f for f in fields(Settings) if f.metadata["env"]}
     assert {"NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "V4FLASH_NEURON_CACHE", "V4FLASH_NEURON_BACKEND",
             "V4FLASH_DIST_BACKEND"} <= set(declared)
-    base = Settings()
+    base = Settings(world_size=4)  # a multiple of every sampled pipeline_parallel
     for var, f in declared.items():
         value, text = _sample(f)
         if var == "NEURON_CC_FLAGS":
@@ -160,3 +160,20 @@ def test_environment_overrides_are_declared_on_their_fields():
         assert base.with_env_overrides({var: text}) == base.replace(**{f.name: value}), var
     assert base.with_env_overrides({"V4FLASH_MAX_NUM_SEQS": "3", "NEURON_LOGICAL_NC_CONFIG": " "}) == base
     assert "`$NEURON_CC_FLAGS`" in Settings.markdown_table()
+
+
+def test_processes_without_settings_read_the_same_overrides():
+    """golden-check, the checks and the test ranks resolve pipeline stages, threads and the dist
+    backend through `env_setting` (declared default, else the field's override, parsed and checked)."""
+    assert {"V4FLASH_PIPELINE", "V4FLASH_THREADS"} <= {f.metadata["env"] for f in fields(Settings)}
+    assert (env_setting("pipeline_parallel", {}), env_setting("threads", {"V4FLASH_THREADS": " "})) == (1, 1)
+    assert env_setting("pipeline_parallel", {"V4FLASH_PIPELINE": "2"}) == 2
+    assert env_setting("dist_backend", {"V4FLASH_DIST_BACKEND": "gloo"}) == "gloo"
+    with pytest.raises(ValueError, match="'threads' must be >= 1"):
+        env_setting("threads", {"V4FLASH_THREADS": "0"})
+    # the served ranks get the same variables through with_env_overrides
+    assert Settings(world_size=4).with_env_overrides({"V4FLASH_PIPELINE": "2"}).pipeline_parallel == 2
+    # request defaults come from the one declaration
+    from v4flash_backend.request import GenerateRequest
+
+    assert GenerateRequest(prompt=[1]).max_tokens == default_of("default_max_tokens") == Settings().default_max_tokens

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
+from v4flash_backend.settings import default_of
+
 CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
 
 
@@ -45,7 +47,7 @@ class GenerateRequest:
 
     prompt: list[int]
     # ---- sampling (wire) ----
-    max_tokens: int = _wire(64, "int")
+    max_tokens: int = _wire(default_of("default_max_tokens"), "int")
     temperature: float = _wire(0.0, "float")
     top_k: int = _wire(0, "int")
     top_p: float = _wire(1.0, "float")

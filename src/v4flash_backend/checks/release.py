@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from v4flash_backend.model.state import ModelState
 from v4flash_backend.parallel import placement
 from v4flash_backend.parallel.collectives import Collectives
 from v4flash_backend.parallel.layout import Layout, shard_spec
+from v4flash_backend.settings import env_setting
 
 from . import footprint
 
@@ -531,7 +531,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
+    torch.set_num_threads(env_setting("threads"))  # $V4FLASH_THREADS, else the threads default
     ok, final = release_check(args.config, args.world_size, args.rank, args.checkpoint, args.max_model_len,
                               args.max_num_seqs, args.buckets, args.kernels, log=lambda s: print(s, flush=True),
                               prefill_chunk=args.prefill_chunk, op_calls=args.op_calls)

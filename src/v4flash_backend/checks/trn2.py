@@ -33,7 +33,6 @@ kernel_nodes_per_step=<K> host_reads=<H> neuron_env=<ok|...>` (one line).
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -44,6 +43,7 @@ import torch
 
 from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
+from v4flash_backend.settings import env_setting
 
 # The fake accelerator: `cuda` where this torch is built with CUDA; on a CPU-only build, Python
 # indexing of a fake cuda tensor asks for CUDA's device guard and fails, so `meta` stands in there --
@@ -533,7 +533,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
+    torch.set_num_threads(env_setting("threads"))  # $V4FLASH_THREADS, else the threads default
     ok, final, _ = trn2_check(args.checkpoint, args.config, args.world_size, args.rank, args.max_num_seqs,
                               args.max_model_len, args.prefill_chunk, args.buckets, args.processed,
                               log=lambda s: print(s, flush=True), ops_backend=args.ops)
