@@ -1,10 +1,10 @@
 """The one request type and the one error type, from the Triton parser to the engine.
 
-`GenerateRequest` is what `serving.request.RequestParser` builds from a Triton request, what the
+`GenerateRequest` is what `serving.parse.RequestParser` builds from a Triton request, what the
 rank-group client sends to rank 0 (`to_wire` / `from_wire`: the prompt ids and the sampling
 fields as one JSON object, type-checked on arrival) and what the engine queues. A new sampling
 option is one field here (with `wire=True` when rank 0 needs it) plus its parsing in
-`serving.request` and its use in the engine.
+`serving.parse` and its use in the engine.
 
 `RequestError` carries the Triton status code of every request failure: INVALID_ARG (the
 request is wrong), UNAVAILABLE (the server cannot serve it now), CANCELLED, INTERNAL.

@@ -1,7 +1,7 @@
 """What the engine accepts: the one check of a `GenerateRequest`'s prompt and sampling values, with
 the messages every client sees (the Triton models, the rank group's socket, the CLI).
 
-`Engine.validate` runs it on every submitted request; the Triton side (`serving/request.py`) parses
+`Engine.validate` runs it on every submitted request; the Triton side (`serving/parse.py`) parses
 and converts the inputs, then runs the same checks before a request leaves the stub, so a bad request
 is answered INVALID_ARG without a round trip to rank 0. Torch-free: the Triton stub imports it.
 """
