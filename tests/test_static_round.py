@@ -12,6 +12,8 @@
   re-trace while serving, same tokens (slow).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
 from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.round_plan import RoundPlan
 from v4flash_backend.trn2.static_step import BoundarySpy
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
@@ -309,18 +312,20 @@ def test_round_and_block_plans_round_trip(numerics, monkeypatch):
 
     monkeypatch.setattr(ops, "_numerics", numerics)
 
-    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
-                rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
-                stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
-                sps=sps_tensors(SPS), t_draft=[0.0, 0.01, 0.0125],  # dspark_adaptive's inputs
-                cal=[[[0.97, -1.4], [1.0, 0.0]], [[6.3, -1.05], [0.0, 0.0]]], fixed_ell=[1, -1])
+    plan = RoundPlan(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
+                     rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                     stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
+                     sps=sps_tensors(SPS), t_draft=[0.0, 0.01, 0.0125],  # dspark_adaptive's inputs
+                     cal=[[[0.97, -1.4], [1.0, 0.0]], [[6.3, -1.05], [0.0, 0.0]]], fixed_ell=[1, -1])
     back = unpack_round(*pack_round(plan))
-    for k in plan:
-        if k != "sps":
-            assert back[k] == plan[k], k
-    assert back["sps"].dtype == pad_sps(plan["sps"]).dtype and torch.equal(back["sps"], pad_sps(plan["sps"]))
-    plan.pop("cal")  # without dspark_adaptive's inputs (fixed / off rounds): none are sent
-    assert "cal" not in unpack_round(*pack_round(plan))
+    assert isinstance(back, RoundPlan) and back.diff(plan) == []
+    assert back.sps.dtype == pad_sps(plan.sps).dtype and torch.equal(back.sps, pad_sps(plan.sps))
+    # without dspark_adaptive's inputs (fixed / off rounds): none are sent
+    plain = dataclasses.replace(plan, t_draft=None, cal=None, fixed_ell=None)
+    assert pack_round(plain)[1].numel() < pack_round(plan)[1].numel()
+    assert unpack_round(*pack_round(plain)).cal is None
+    # a field that does not cross is seen (the check can fail)
+    assert back.diff(dataclasses.replace(plan, budget=[8, 2])) == ["budget"]
     z = torch.randn(5, 7)
     block = (torch.tensor([1, 2, 3, 4, 5]), None, torch.rand(5), z)
     slot, (t, _, q, z2) = unpack_block(*pack_block(3, block))
@@ -507,14 +512,12 @@ def test_in_process_generate_runs_the_engine_like_the_rank_group(tmp_path):
 def test_processed_round_plans_round_trip():
     from v4flash_backend.group.worker import pack_round, unpack_round
 
-    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
-                budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
-                stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
-                n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
+    plan = RoundPlan(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
+                     budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                     stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
+                     n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
     back = unpack_round(*pack_round(plan))
-    for k in plan:
-        if k != "sps":
-            assert back[k] == plan[k], k
+    assert back.processed and back.diff(plan) == []
 
 
 @pytest.mark.slow
