@@ -555,3 +555,42 @@ def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir
     kinds = e["decode_steps_by_kind"]
     assert kinds == eng.stats()["decode_steps_by_kind"] and kinds["aside"] > 0 and kinds["draft"] > 0, kinds
     assert e["graphs_per_step_by_kind"]["aside"] == 1 and e["host_syncs_per_step"] == 0
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_round_result_reads_back_what_the_graphs_packed(processed):
+    """The read-back's columns as the graphs write them (`pack_result`, `pack_logprobs`) read by
+    `RoundResult` alone: committed tokens, counts, next ell, confidence logits (bit-exact) and the
+    log-probs pack, for a G = 3 round and the plain-decode graph's G = 0 row width."""
+    from v4flash_backend.engine.precision import loop_dtype
+    from v4flash_backend.engine.sampling import LOGPROB_WIDTH
+    from v4flash_backend.trn2.round_plan import RoundResult, pack_logprobs, pack_result
+
+    g = torch.Generator().manual_seed(5)
+    for G in (3, 0):
+        S = 2
+        tokens = torch.tensor([[11, 12, 13, -1], [21, -1, -1, -1]])[:, :G + 1]
+        committed, accepted = torch.tensor([min(3, G + 1), 1]), torch.tensor([min(2, G), 0])
+        stopped, ell = torch.tensor([False, True]), torch.tensor([min(2, G), 0])
+        conf = torch.randn(S, G, generator=g)
+        out = pack_result(tokens, committed, accepted, stopped, ell, conf)
+        tok_lp = -torch.rand(S * (G + 1), generator=g, dtype=torch.float64).to(loop_dtype())
+        top_lp = -torch.rand(S * (G + 1), LOGPROB_WIDTH, generator=g, dtype=torch.float64).to(loop_dtype())
+        top_ids = torch.randint(0, 500, (S * (G + 1), LOGPROB_WIDTH), generator=g)
+        rank = torch.randint(1, 9, (S * (G + 1),), generator=g)
+        if processed:
+            out = torch.cat([out, pack_logprobs(tok_lp, rank, top_ids, top_lp, S)], 1)
+        rows = RoundResult.rows(out.tolist(), processed)
+        for i, r in enumerate(rows):
+            assert r.G == G
+            k = int(committed[i])
+            assert r.tokens == tokens[i, :k].tolist() and r.committed == k
+            assert (r.accepted, r.stopped, r.next_ell) == (int(accepted[i]), bool(stopped[i]), int(ell[i]))
+            assert torch.equal(r.confidence(), conf[i].to(loop_dtype()).float())
+            if processed:
+                lps = r.logprobs(2)
+                assert len(lps) == k
+                for j, (lp, rk, alts) in enumerate(lps):
+                    n = i * (G + 1) + j
+                    assert lp == float(tok_lp[n]) and rk == int(rank[n])
+                    assert alts == [[int(top_ids[n, a]), float(top_lp[n, a])] for a in range(2)]
