@@ -7,8 +7,10 @@
   docstring and the README);
 - importing the serving side (what the Triton models load) loads no training module;
 - the op seam's functions are written out (go-to-definition works) with the reference's signatures.
-- no module in engine/ over 500 lines.
-The checker itself is shown to catch a deliberate violation.
+- no module in engine/ or trn2/ over 500 lines;
+- engine/ imports nothing from trn2/ but the round plan types (`trn2.round_plan`, which itself imports
+  nothing of the graphs), and no module but those types reads a packed column of a round's read-back.
+The checkers themselves are shown to catch a deliberate violation.
 """
 
 from __future__ import annotations
@@ -100,10 +102,56 @@ def layer(mod: str) -> int:
     return LAYERS.index(parts[1] if len(parts) > 1 else "__init__")
 
 
+# the static round's plan and read-back types: the one module of trn2/ the engine imports (it builds the
+# plan and reads the result); they import torch and the engine's dtype policy, nothing of the graphs
+PLAN_TYPES = "v4flash_backend.trn2.round_plan"
+PLAN_TYPES_IMPORTS = {"v4flash_backend.engine.precision", "v4flash_backend.engine.sampling"}
+
+
 def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    # package __init__ files (which only hold docstrings) are not edges of the layering
+    # package __init__ files (which only hold docstrings) are not edges of the layering; the engine
+    # may import the plan types (and only those: `engine_reaches_into_trn2`)
     return sorted((a, b) for a, bs in graph.items() for b in bs
-                  if b.count(".") >= 1 and layer(b) > layer(a))
+                  if b.count(".") >= 1 and layer(b) > layer(a)
+                  and not (b == PLAN_TYPES and layer(a) == LAYERS.index("engine")))
+
+
+def engine_reaches_into_trn2(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Edges from engine/ into trn2/ other than the plan types, and plan-type imports beyond theirs."""
+    out = [(a, b) for a, bs in graph.items() if a.startswith("v4flash_backend.engine.")
+           for b in bs if b.startswith("v4flash_backend.trn2") and b != PLAN_TYPES]
+    return sorted(out + [(PLAN_TYPES, b) for b in graph.get(PLAN_TYPES, ()) if b not in PLAN_TYPES_IMPORTS])
+
+
+# what reading or writing a column of a round's packed read-back takes: its column-layout names and
+# the bit-casts of its float columns (defined in engine/precision.py, used by the plan types alone)
+COLUMN_NAMES = {"LOGPROB_COLS", "RESULT_FIXED", "pack_bits", "unpack_bits"}
+COLUMN_OWNERS = {PLAN_TYPES, "v4flash_backend.engine.precision"}
+
+
+def column_readers(sources: dict[str, str]) -> list[tuple[str, str]]:
+    """(module, what) for every module outside COLUMN_OWNERS that names a column-layout name (as a
+    name, an attribute or an import) or indexes a `row` by the block size G (`row[G + 1]`,
+    `row[2 * G + 5:]`: the arithmetic the engine used before the plan types)."""
+    out = []
+    for mod, text in sources.items():
+        if mod in COLUMN_OWNERS:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else None)
+            if isinstance(node, ast.alias):
+                name = node.name
+            if name in COLUMN_NAMES:
+                out.append((mod, name))
+            if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "row"
+                    and any(isinstance(n, ast.Name) and n.id == "G" for n in ast.walk(node.slice))):
+                out.append((mod, ast.unparse(node)))
+    return sorted(set(out))
+
+
+def package_sources() -> dict[str, str]:
+    return {module_name(p): p.read_text() for p in PKG.rglob("*.py")}
 
 
 def test_at_most_12_top_level_modules():
@@ -171,3 +219,40 @@ def test_no_engine_module_over_500_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (PKG / "engine").glob("*.py")}
     assert {"engine.py", "stats.py", "adaptive.py", "step_profile.py"} <= set(sizes)
     assert not {k: v for k, v in sizes.items() if v > 500}, sizes
+
+
+def test_no_trn2_module_over_500_lines():
+    """trn2/ by concern (issue 31): the compile path, the graphs per bucket, the runner over them and
+    the round plan types each in a module of their own (`neuron` re-exports them by their old names)."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PKG / "trn2").glob("*.py")}
+    assert {"compiler.py", "graphs.py", "static_runner.py", "round_plan.py"} <= set(sizes)
+    assert not {k: v for k, v in sizes.items() if v > 500}, sizes
+
+
+def test_engine_imports_only_the_plan_types_from_trn2():
+    g = import_graph()
+    assert PLAN_TYPES in g["v4flash_backend.engine.round_step"]  # the check looks at a real edge
+    assert engine_reaches_into_trn2(g) == []
+
+
+def test_only_the_plan_types_read_a_packed_column():
+    sources = package_sources()
+    assert "unpack_bits" in sources[PLAN_TYPES]  # the owners do name them: the walk would see them
+    assert column_readers(sources) == []
+
+
+def test_the_plan_checkers_catch_a_deliberate_violation():
+    g = import_graph()
+    g["v4flash_backend.engine.round_step"].add("v4flash_backend.trn2.static_round")
+    g[PLAN_TYPES].add("v4flash_backend.trn2.static_step")
+    assert engine_reaches_into_trn2(g) == [("v4flash_backend.engine.round_step", "v4flash_backend.trn2.static_round"),
+                                           (PLAN_TYPES, "v4flash_backend.trn2.static_step")]
+    assert ("v4flash_backend.engine.round_step", "v4flash_backend.trn2.static_round") in layer_violations(g)
+    # the engine's former column arithmetic, in a module of the engine
+    bad = {"v4flash_backend.engine.round_step": (
+        "from v4flash_backend.trn2.round_plan import LOGPROB_COLS\n"
+        "from v4flash_backend.engine import precision\n"
+        "G = (n - 5 - LOGPROB_COLS) // (2 + LOGPROB_COLS)\n"
+        "k, conf = row[G + 1], precision.unpack_bits(row[G + 5:2 * G + 5])\n")}
+    found = column_readers(bad)
+    assert {name for _, name in found} >= {"LOGPROB_COLS", "unpack_bits", "row[G + 1]", "row[G + 5:2 * G + 5]"}, found

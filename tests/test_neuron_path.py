@@ -80,7 +80,9 @@ def test_neuron_backend_without_the_sdk_fails_with_a_hint():
 def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypatch):
     """Backend neuron reads the compiler flags from NEURON_CC_FLAGS alone: compile_step refuses to
     compile when the environment does not carry this launch's flags."""
-    monkeypatch.setattr(neuron, "import_neuron", lambda s: None)  # no Neuron SDK here
+    from v4flash_backend.trn2 import compiler
+
+    monkeypatch.setattr(compiler, "import_neuron", lambda s: None)  # no Neuron SDK here
     s = neuron.NeuronSettings()
     monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
     with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):

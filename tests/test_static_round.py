@@ -12,6 +12,8 @@
   re-trace while serving, same tokens (slow).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
 from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.round_plan import RoundPlan
 from v4flash_backend.trn2.static_step import BoundarySpy
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
@@ -309,18 +312,20 @@ def test_round_and_block_plans_round_trip(numerics, monkeypatch):
 
     monkeypatch.setattr(ops, "_numerics", numerics)
 
-    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
-                rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
-                stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
-                sps=sps_tensors(SPS), t_draft=[0.0, 0.01, 0.0125],  # dspark_adaptive's inputs
-                cal=[[[0.97, -1.4], [1.0, 0.0]], [[6.3, -1.05], [0.0, 0.0]]], fixed_ell=[1, -1])
+    plan = RoundPlan(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, (1 << 62) + 5],
+                     rnd=[1, 4], budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                     stop_ids=[[1, -1], [2, 3]], spec_mode="dspark", fixed_len=5,
+                     sps=sps_tensors(SPS), t_draft=[0.0, 0.01, 0.0125],  # dspark_adaptive's inputs
+                     cal=[[[0.97, -1.4], [1.0, 0.0]], [[6.3, -1.05], [0.0, 0.0]]], fixed_ell=[1, -1])
     back = unpack_round(*pack_round(plan))
-    for k in plan:
-        if k != "sps":
-            assert back[k] == plan[k], k
-    assert back["sps"].dtype == pad_sps(plan["sps"]).dtype and torch.equal(back["sps"], pad_sps(plan["sps"]))
-    plan.pop("cal")  # without dspark_adaptive's inputs (fixed / off rounds): none are sent
-    assert "cal" not in unpack_round(*pack_round(plan))
+    assert isinstance(back, RoundPlan) and back.diff(plan) == []
+    assert back.sps.dtype == pad_sps(plan.sps).dtype and torch.equal(back.sps, pad_sps(plan.sps))
+    # without dspark_adaptive's inputs (fixed / off rounds): none are sent
+    plain = dataclasses.replace(plan, t_draft=None, cal=None, fixed_ell=None)
+    assert pack_round(plain)[1].numel() < pack_round(plan)[1].numel()
+    assert unpack_round(*pack_round(plain)).cal is None
+    # a field that does not cross is seen (the check can fail)
+    assert back.diff(dataclasses.replace(plan, budget=[8, 2])) == ["budget"]
     z = torch.randn(5, 7)
     block = (torch.tensor([1, 2, 3, 4, 5]), None, torch.rand(5), z)
     slot, (t, _, q, z2) = unpack_block(*pack_block(3, block))
@@ -507,14 +512,12 @@ def test_in_process_generate_runs_the_engine_like_the_rank_group(tmp_path):
 def test_processed_round_plans_round_trip():
     from v4flash_backend.group.worker import pack_round, unpack_round
 
-    plan = dict(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
-                budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
-                stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
-                n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
+    plan = RoundPlan(slot=[0, 3], start=[9, 20], pending=[5, 6], ell=[2, 0], top_k=[0, 40], seed=[7, 5], rnd=[1, 4],
+                     budget=[8, 1], len_left=[50, 30], temperature=[0.8, 0.0], top_p=[0.95, 1.0],
+                     stop_ids=[[1, -1], [2, 3]], spec_mode="fixed", fixed_len=5, sps=None,
+                     n_out=[3, 1], min_tokens=[6, 0], frequency=[0.7, 0.0], presence=[0.0, -0.25])
     back = unpack_round(*pack_round(plan))
-    for k in plan:
-        if k != "sps":
-            assert back[k] == plan[k], k
+    assert back.processed and back.diff(plan) == []
 
 
 @pytest.mark.slow
@@ -552,3 +555,42 @@ def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir
     kinds = e["decode_steps_by_kind"]
     assert kinds == eng.stats()["decode_steps_by_kind"] and kinds["aside"] > 0 and kinds["draft"] > 0, kinds
     assert e["graphs_per_step_by_kind"]["aside"] == 1 and e["host_syncs_per_step"] == 0
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_round_result_reads_back_what_the_graphs_packed(processed):
+    """The read-back's columns as the graphs write them (`pack_result`, `pack_logprobs`) read by
+    `RoundResult` alone: committed tokens, counts, next ell, confidence logits (bit-exact) and the
+    log-probs pack, for a G = 3 round and the plain-decode graph's G = 0 row width."""
+    from v4flash_backend.engine.precision import loop_dtype
+    from v4flash_backend.engine.sampling import LOGPROB_WIDTH
+    from v4flash_backend.trn2.round_plan import RoundResult, pack_logprobs, pack_result
+
+    g = torch.Generator().manual_seed(5)
+    for G in (3, 0):
+        S = 2
+        tokens = torch.tensor([[11, 12, 13, -1], [21, -1, -1, -1]])[:, :G + 1]
+        committed, accepted = torch.tensor([min(3, G + 1), 1]), torch.tensor([min(2, G), 0])
+        stopped, ell = torch.tensor([False, True]), torch.tensor([min(2, G), 0])
+        conf = torch.randn(S, G, generator=g)
+        out = pack_result(tokens, committed, accepted, stopped, ell, conf)
+        tok_lp = -torch.rand(S * (G + 1), generator=g, dtype=torch.float64).to(loop_dtype())
+        top_lp = -torch.rand(S * (G + 1), LOGPROB_WIDTH, generator=g, dtype=torch.float64).to(loop_dtype())
+        top_ids = torch.randint(0, 500, (S * (G + 1), LOGPROB_WIDTH), generator=g)
+        rank = torch.randint(1, 9, (S * (G + 1),), generator=g)
+        if processed:
+            out = torch.cat([out, pack_logprobs(tok_lp, rank, top_ids, top_lp, S)], 1)
+        rows = RoundResult.rows(out.tolist(), processed)
+        for i, r in enumerate(rows):
+            assert r.G == G
+            k = int(committed[i])
+            assert r.tokens == tokens[i, :k].tolist() and r.committed == k
+            assert (r.accepted, r.stopped, r.next_ell) == (int(accepted[i]), bool(stopped[i]), int(ell[i]))
+            assert torch.equal(r.confidence(), conf[i].to(loop_dtype()).float())
+            if processed:
+                lps = r.logprobs(2)
+                assert len(lps) == k
+                for j, (lp, rk, alts) in enumerate(lps):
+                    n = i * (G + 1) + j
+                    assert lp == float(tok_lp[n]) and rk == int(rank[n])
+                    assert alts == [[int(top_ids[n, a]), float(top_lp[n, a])] for a in range(2)]

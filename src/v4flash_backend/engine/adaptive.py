@@ -58,7 +58,8 @@ class AdaptivePolicy:
         return "skip"
 
     def _adaptive_plan(self, seqs: list[Seq], decision: str) -> dict:
-        """The draft graph's admission inputs (static_round.draft_round): with dspark_adaptive, each
+        """The draft graph's admission inputs (static_round.draft_round), as `RoundPlan` fields
+        (t_draft, cal, fixed_ell; trn2.round_plan): with dspark_adaptive, each
         row's calibration (T_k, b_k) of its regime and the draft seconds by live rows R (admission
         then reads `StepCost.sps_for(R)`, as `_draft`); without, the raw head (T = 0) and the
         forward's table. A probe admits one draft per row."""

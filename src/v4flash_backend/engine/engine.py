@@ -25,21 +25,22 @@ import torch
 
 from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.settings import Settings
+from v4flash_backend.trn2.round_plan import STOP_WIDTH
 
 from .adaptive import AdaptivePolicy
 from .eager_step import EagerStep
 from .logits import LogitProcessing
-from .round_step import StaticRoundStep, unpack_confidence
+from .round_step import StaticRoundStep
 from .runner import Runner
-from .seq import CONTEXT_IDS, KIND_OF, ON_DEVICE, STEP_KINDS, STOP_WIDTH, Event, Seq
+from .seq import CONTEXT_IDS, KIND_OF, ON_DEVICE, STEP_KINDS, Event, Seq
 from .stats import EngineStats
 from .step_cost import StepCost
 from .step_profile import StepProfiler
 from .validation import check_request
 
 # the engine's public names, importable from here as before the split into modules
-__all__ = ["CONTEXT_IDS", "KIND_OF", "ON_DEVICE", "STEP_KINDS", "STOP_WIDTH", "Engine", "Event", "Seq",
-           "unpack_confidence"]
+# (STOP_WIDTH, a graph-shape constant, is the round plan types': trn2.round_plan)
+__all__ = ["CONTEXT_IDS", "KIND_OF", "ON_DEVICE", "STEP_KINDS", "STOP_WIDTH", "Engine", "Event", "Seq"]
 
 
 class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoundStep):

@@ -6,17 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan, RoundResult
+
 from .dspark_sched import sps_tensors
-from .precision import unpack_bits
-from .sampling import LOGPROB_COLS, unpack_logprobs
-from .seq import KIND_OF, ON_DEVICE, STOP_WIDTH, Seq
-
-
-def unpack_confidence(row: list[int], G: int) -> torch.Tensor:
-    """The new block's [G] f32 confidence logits in a static round's read-back row (columns
-    2G+5.., `loop_dtype` bits: trn2.static_round.pack, `precision.pack_bits`)."""
-    return unpack_bits(row[G + 5:2 * G + 5]).float()
-
+from .seq import KIND_OF, ON_DEVICE, Seq
 
 
 class StaticRoundStep:
@@ -48,15 +41,11 @@ class StaticRoundStep:
         self._sync_round_state(seqs, processed)
         in_sync = [s.counted == s.n_out for s in seqs]
         plan = self._round_plan(seqs, decision, dspark, processed)
-        # [S] rows: tokens[G+1], num, accepted, stopped, next ell (+ the log-probs pack when processed)
-        out = self.runner.decode_round(plan)
+        # one row a sequence: its committed tokens, counts, next ell, confidences (+ log-probs when processed)
+        out = RoundResult.rows(self.runner.decode_round(plan), processed)
         self.totals["steps"] += 1
-        n = len(out[0])
-        # the runner's block size (also with spec_mode off: then ell stays 0): [G+1 tokens, committed,
-        # accepted, stopped, next ell, G confidence logits (+ the log-probs pack)]
-        G = (n - 5 - LOGPROB_COLS) // (2 + LOGPROB_COLS) if processed else (n - 5) // 2
         drafted = [s for s, row, synced in zip(seqs, out, in_sync)
-                   if self._commit_round_row(s, row, G, decision, processed, synced)]
+                   if self._commit_round_row(s, row, decision, processed, synced)]
         if drafted and decision == "probe":
             self.totals["draft_probes"] += 1
         if drafted and self.adaptive and dspark:  # as _draft: the next decision reads these survivals
@@ -80,11 +69,11 @@ class StaticRoundStep:
                     self.runner.set_counts(s.slot, s.tokens[len(s.req.prompt):])
                     s.counted = s.n_out
 
-    def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> dict:
+    def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> RoundPlan:
         """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round)."""
         L = self.cfg.max_model_len
         stops = self._stop_lists(seqs)
-        plan = dict(
+        kw = dict(
             slot=[s.slot for s in seqs], start=[s.n_cached for s in seqs],
             pending=[s.tokens[s.n_cached] for s in seqs], ell=[s.ell for s in seqs],
             temperature=[float(s.req.temperature) for s in seqs], top_k=[int(s.req.top_k) for s in seqs],
@@ -95,26 +84,26 @@ class StaticRoundStep:
             spec_mode=self.cfg.spec_mode if self.spec and decision != "skip" else "off",
             fixed_len=self.cfg.fixed_len, sps=sps_tensors(self.ensure_cost().forward) if dspark else None)
         if dspark:
-            plan.update(self._adaptive_plan(seqs, decision))
+            kw.update(self._adaptive_plan(seqs, decision))
         if processed:
-            plan.update(n_out=[s.n_out for s in seqs], min_tokens=[s.req.min_tokens for s in seqs],
-                        frequency=[float(s.req.frequency_penalty) for s in seqs],
-                        presence=[float(s.req.presence_penalty) for s in seqs])
-        return plan
+            kw.update(n_out=[s.n_out for s in seqs], min_tokens=[s.req.min_tokens for s in seqs],
+                      frequency=[float(s.req.frequency_penalty) for s in seqs],
+                      presence=[float(s.req.presence_penalty) for s in seqs])
+        return RoundPlan(**kw)
 
-    def _commit_round_row(self, s: Seq, row: list[int], G: int, decision: str, processed: bool, in_sync: bool) -> bool:
+    def _commit_round_row(self, s: Seq, row: RoundResult, decision: str, processed: bool, in_sync: bool) -> bool:
         """Commit one request's row of the round's read-back; True when the round drafted it a new
         block (on the device, with its confidence logits from the row)."""
-        k, n_acc, stopped, nxt = row[G + 1], row[G + 2], bool(row[G + 3]), row[G + 4]
+        k, n_acc, stopped, nxt = row.committed, row.accepted, row.stopped, row.next_ell
         self._account_verify(s, n_acc)
         s.rounds += 1
         s.n_cached += k
         if decision == "skip":  # stepped aside: the rings miss these positions (as on an eager step)
             self.totals["ring_rows_skipped"] += k
-        lps = unpack_logprobs(row[2 * G + 5:], k, s.req.logprobs) if processed and s.req.logprobs >= 0 else None
+        lps = row.logprobs(s.req.logprobs) if processed and s.req.logprobs >= 0 else None
         if processed and in_sync:
             s.counted += k  # the round added its committed tokens to the device counts
-        self._commit(s, row[:k], stopped, lps)
+        self._commit(s, row.tokens, stopped, lps)
         if self._done(s) or not self.spec:
             return False
         if decision == "skip":
@@ -122,7 +111,7 @@ class StaticRoundStep:
             self.totals["draft_skipped"] += 1
             return False
         s.ell, s.draft = nxt, ON_DEVICE
-        s.conf_logits = unpack_confidence(row, G)
+        s.conf_logits = row.confidence()
         s.drafted += self.gamma
         self.totals["drafted"] += self.gamma
         return True

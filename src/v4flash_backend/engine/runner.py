@@ -3,7 +3,7 @@
 `Runner` is the protocol the engine relies on. Implementations: `LocalRunner` (this process, op by
 op), `group.worker.PlanRunner` (rank 0 of a rank group: broadcasts each call as a fixed-size integer
 plan, so every rank executes the same `LocalRunner` method on its own shard; only rank 0 reads the
-results) and `trn2.neuron.StaticRunner` (the fixed-shape graphs per bucket). Taps of the last
+results) and `trn2.static_runner.StaticRunner` (the fixed-shape graphs per bucket). Taps of the last
 forward stay on every rank, so DSpark ring writes name rows of that forward instead of shipping
 hidden states.
 """
@@ -17,6 +17,7 @@ import torch
 from v4flash_backend.model.dspark import DraftOutput, DSparkDrafter
 from v4flash_backend.model.state import ModelState, make_segments
 from v4flash_backend.model.transformer import StepOutput, V41Model
+from v4flash_backend.trn2.round_plan import RoundPlan
 
 
 class Runner(Protocol):
@@ -49,7 +50,7 @@ class Runner(Protocol):
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         """Whether a decode round of `seqs` sequences needing `ctx_needed` cache rows has a graph."""
 
-    def decode_round(self, plan: dict) -> list[list[int]]:
+    def decode_round(self, plan: RoundPlan) -> list[list[int]]:
         """One decode round in the static graphs (trn2.static_round); one read-back row a sequence."""
 
     def load_block(self, slot: int, block) -> None:
@@ -126,11 +127,11 @@ class LocalRunner:
         return out
 
     # no static rounds here (static_rounds is False): the engine never calls the methods below on
-    # this runner; a runner with static rounds (trn2.neuron.StaticRunner) overrides them
+    # this runner; a runner with static rounds (trn2.static_runner.StaticRunner) overrides them
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         return False
 
-    def decode_round(self, plan: dict) -> list[list[int]]:
+    def decode_round(self, plan: RoundPlan) -> list[list[int]]:
         raise NotImplementedError(f"{type(self).__name__} has no static decode rounds (decode_graph eager)")
 
     def load_block(self, slot: int, block) -> None:

@@ -18,7 +18,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .precision import loop_dtype, unpack_bits
+from .precision import loop_dtype
 
 # Temperatures below this are greedy. The same cut-off as DeepSpec's evaluator (T < 1e-5):
 # dividing logits by such a temperature would overflow fp32 anyway.
@@ -26,7 +26,6 @@ GREEDY_TEMPERATURE = 1e-5
 # log-prob alternatives computed per token (GenerateRequest.logprobs <= 20); a request's first n
 # are kept, so the host and the static graphs take the same topk (ties break the same way)
 LOGPROB_WIDTH = 20
-LOGPROB_COLS = 2 + 2 * LOGPROB_WIDTH  # a static round's read-back per token: logprob, rank, top ids, top logprobs
 
 
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -306,18 +305,3 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.T
     rank = 1 + (lp > tok.unsqueeze(1)).sum(1)
     top_lp, top_ids = lp.topk(min(top_n, lp.shape[1]), dim=-1) if top_n > 0 else (lp[:, :0], tokens[:, None][:, :0])
     return tok, rank, top_ids, top_lp
-
-
-def unpack_logprobs(row: list[int], k: int, top_n: int) -> list:
-    """A static round's log-probs pack (trn2/static_round.logprobs_pack: per token LOGPROB_COLS int64,
-    `loop_dtype` values bit-cast by `precision.pack_bits`) for one sequence's first k committed tokens,
-    as the engine reports them: [logprob, rank, [[id, logprob], ...the first top_n alternatives in the
-    support]]."""
-    out = []
-    for j in range(k):
-        c = row[j * LOGPROB_COLS:(j + 1) * LOGPROB_COLS]
-        ids = c[2:2 + LOGPROB_WIDTH]
-        vals = unpack_bits([c[0]] + c[2 + LOGPROB_WIDTH:]).tolist()
-        alts = [[int(t), v] for t, v in zip(ids[:top_n], vals[1:1 + top_n]) if v > float("-inf")]
-        out.append([vals[0], int(c[1]), alts])
-    return out

@@ -11,7 +11,6 @@ from v4flash_backend.request import GenerateRequest
 
 # the draft block of a sequence lives in the runner's per-slot state (a static decode round wrote it)
 ON_DEVICE = "device"
-STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the eager path)
 STEP_KINDS = ("draft", "probe", "aside")  # decode steps by DSpark decision (stats)
 KIND_OF = {"draft": "draft", "probe": "probe", "skip": "aside"}
 

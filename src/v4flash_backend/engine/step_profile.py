@@ -15,12 +15,12 @@ from typing import Callable
 import torch
 
 from v4flash_backend.settings import Settings
+from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan
 
 from . import dspark_accept as acc
 from .dspark_sched import SPSTable, admit
 from .noise import STREAM_DRAFT, CounterSampler
 from .sampling import SamplingParams
-from .seq import STOP_WIDTH
 from .step_cost import StepCost, fit_seq_model, interleaved_medians, round_seconds_by_tokens
 
 
@@ -112,7 +112,7 @@ class StepProfiler:
         seqs = sorted({-(-b // Q) for b in sizes} | set(range(1, N + 1)))  # a round of S pads to its bucket
 
         def round_(S: int, mode: str):
-            self.runner.decode_round(dict(
+            self.runner.decode_round(RoundPlan(
                 slot=[scratch] * S, start=[0] * S, pending=[0] * S, ell=[-1] * S, temperature=[1.0] * S,
                 top_k=[0] * S, top_p=[1.0] * S, seed=list(range(S)), rnd=[0] * S, budget=[0] * S,
                 len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=mode, fixed_len=0,

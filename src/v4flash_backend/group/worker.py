@@ -73,18 +73,14 @@ from queue import Queue
 
 import torch
 
+from v4flash_backend.trn2.round_plan import RoundPlan
+
 MAGIC = 0x56344650
 HDR = 8
 OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK, OP_ROUND, OP_LOAD_BLOCK, OP_COUNTS = range(9)
 OP_NAMES = {OP_NOOP: "noop", OP_STOP: "stop", OP_GROW: "grow", OP_RESET: "reset_slot",
             OP_FORWARD: "forward", OP_DSPARK: "dspark", OP_ROUND: "decode_round", OP_LOAD_BLOCK: "load_block",
             OP_COUNTS: "set_counts"}
-_ROUND_INTS = ("slot", "start", "pending", "ell", "top_k", "seed", "rnd", "budget", "len_left")
-_ROUND_FLOATS = ("temperature", "top_p")
-_MODES = ("off", "dspark", "fixed")
-# the processed round's columns (min_tokens, penalties, log-probs in the graphs): a2 = mode + 4
-_PROC_INTS = ("n_out", "min_tokens")
-_PROC_FLOATS = ("frequency", "presence")
 _ROWS = {"last": -1, "all": -2, "none": -3}
 _ROWS_INV = {v: k for k, v in _ROWS.items()}
 
@@ -138,64 +134,14 @@ def unpack_dspark(a, body: torch.Tensor):
     return writes, items
 
 
-def pack_round(plan: dict):
-    """A static decode round (engine._step_static's plan): a = (S, stop width, spec mode, fixed_len);
-    body = the int64 columns, the float64 columns bit-cast to int64, the stop ids, the padded SPS
-    table (float64 bits)."""
-    from v4flash_backend.trn2.neuron import pad_sps
-
-    S, W = len(plan["slot"]), len(plan["stop_ids"][0])
-    proc = "n_out" in plan
-    ints = _long([plan[k] for k in _ROUND_INTS + (_PROC_INTS if proc else ())])
-    floats = torch.tensor([plan[k] for k in _ROUND_FLOATS + (_PROC_FLOATS if proc else ())],
-                          dtype=torch.float64).view(torch.int64).reshape(-1)
-    stops = _long(plan["stop_ids"])
-    # the table in the loop's dtype (fp32 under the kernels' numerics) crosses as float64 bits: the
-    # widening is exact, and the receiving runner's pad_sps narrows it back to the same values
-    sps = pad_sps(plan.get("sps")).to(torch.float64).reshape(-1).view(torch.int64)
-    mode = _MODES.index(plan["spec_mode"]) + (4 if proc else 0)
-    return (S, W, mode, int(plan["fixed_len"])), torch.cat([ints, floats, stops, sps, _pack_adaptive(plan, S)])
+def pack_round(plan: RoundPlan):
+    """A static decode round (engine._step_static's plan) as (a, body): its wire form is the plan
+    type's (`RoundPlan.pack`: a = (S, stop width, spec mode, fixed_len))."""
+    return plan.pack()
 
 
-def _pack_adaptive(plan: dict, S: int) -> torch.Tensor:
-    """The round's dspark_adaptive inputs (trn2.neuron.adaptive_inputs), when the plan has them:
-    t_draft [S+1] (float64 bits), fixed_ell [S], cal [S, G, 2] (float64 bits); else nothing."""
-    if plan.get("cal") is None:
-        return _long([])
-    td = torch.tensor(plan["t_draft"], dtype=torch.float64).reshape(-1)
-    if td.numel() != S + 1:
-        raise ValueError(f"a round plan of {S} sequences needs {S + 1} draft seconds, got {td.numel()}")
-    cal = torch.tensor(plan["cal"], dtype=torch.float64).reshape(-1)
-    return torch.cat([td.view(torch.int64), _long(plan["fixed_ell"]), cal.view(torch.int64)])
-
-
-def _unpack_adaptive(rest: torch.Tensor, S: int, plan: dict) -> None:
-    if not rest.numel():
-        return
-    G = (rest.numel() - 2 * S - 1) // (2 * S)
-    plan["t_draft"] = rest[:S + 1].clone().view(torch.float64).tolist()
-    plan["fixed_ell"] = rest[S + 1:2 * S + 1].tolist()
-    plan["cal"] = rest[2 * S + 1:].clone().view(torch.float64).view(S, G, 2).tolist()
-
-
-def unpack_round(a, body: torch.Tensor) -> dict:
-    S, W, mode, fixed = a
-    names_i = _ROUND_INTS + (_PROC_INTS if mode >= 4 else ())
-    names_f = _ROUND_FLOATS + (_PROC_FLOATS if mode >= 4 else ())
-    mode %= 4
-    ni, nf = len(names_i) * S, len(names_f) * S
-    ints = body[:ni].view(len(names_i), S).tolist()
-    floats = body[ni:ni + nf].clone().view(torch.float64).view(len(names_f), S).tolist()
-    plan = dict(zip(names_i, ints))
-    plan.update(zip(names_f, floats))
-    plan["stop_ids"] = body[ni + nf:ni + nf + S * W].view(S, W).tolist()
-    from v4flash_backend.trn2.neuron import SPS_WIDTH, pad_sps
-
-    o = ni + nf + S * W
-    plan["sps"] = pad_sps(body[o:o + 2 * SPS_WIDTH].clone().view(torch.float64).view(2, -1))
-    _unpack_adaptive(body[o + 2 * SPS_WIDTH:], S, plan)
-    plan["spec_mode"], plan["fixed_len"] = _MODES[mode], fixed
-    return plan
+def unpack_round(a, body: torch.Tensor) -> RoundPlan:
+    return RoundPlan.unpack(a, body)
 
 
 def pack_block(slot: int, block):

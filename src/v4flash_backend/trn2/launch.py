@@ -30,7 +30,7 @@ and the runtime and compiler read these variables from the process environment.
 - TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1: a graph that fails to compile fails the start instead
   of running op by op (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/reference/env-vars.html).
 
-`NeuronSettings` is the view of these settings the compile path (`trn2.neuron.compile_step`,
+`NeuronSettings` is the view of these settings the compile path (`trn2.compiler.compile_step`,
 `StaticGraphs`) takes; `NeuronSettings.from_settings` builds it, its defaults are those of `Settings`.
 """
 

@@ -35,9 +35,11 @@ import torch
 from v4flash_backend.engine import noise
 from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import admit_static
-from v4flash_backend.engine.precision import loop_dtype, pack_bits
-from v4flash_backend.engine.sampling import LOGPROB_COLS, LOGPROB_WIDTH
+from v4flash_backend.engine.precision import loop_dtype
+from v4flash_backend.engine.sampling import LOGPROB_WIDTH
 
+from .round_plan import pack_logprobs
+from .round_plan import pack_result as pack  # the read-back's layout is the plan types'
 from .static_step import StaticDecoder
 
 
@@ -140,15 +142,6 @@ def calibrated_confidence(conf: torch.Tensor, cal: torch.Tensor) -> torch.Tensor
     return torch.where(T > 0, scaled, torch.sigmoid(conf))
 
 
-def pack(tokens_out, committed, accepted, stopped, ell, conf):
-    """The round's read-back: [S, G+1 committed tokens | committed | accepted | stopped | next ell |
-    G confidence logits of the new block (f32 in the loop dtype, bit-cast by `precision.pack_bits`:
-    exact, and no float64 op under the kernels' numerics; the host reads them with
-    engine.unpack_confidence)]."""
-    return torch.cat([tokens_out, committed[:, None], accepted[:, None], stopped.long()[:, None],
-                      ell.long()[:, None], pack_bits(conf)], 1)
-
-
 # ---- the processed round variant: min_tokens, penalties and log-probs inside the graphs -------------
 # The host forms are Engine._process_target / _draft_logit_fn / _logprobs (sampling.apply_penalties,
 # mask_stop_tokens, token_logprobs); these are the same operations over fixed shapes, applied to every
@@ -207,9 +200,9 @@ def draft_logit_fn(base: torch.Tensor, n_out: torch.Tensor, proc: dict):
 
 def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
     """`sampling.token_logprobs` of the committed tokens [S, G+1] (-1 padded) under their processed
-    verify rows [S*(G+1), V], top LOGPROB_WIDTH alternatives, packed as int64 [S, (G+1)*LOGPROB_COLS]
-    (`loop_dtype` values bit-cast by `precision.pack_bits`: no float64 op under the kernels' numerics)
-    for the round's one read-back (`sampling.unpack_logprobs` reads it)."""
+    verify rows [S*(G+1), V], top LOGPROB_WIDTH alternatives, packed by `round_plan.pack_logprobs`
+    (`loop_dtype` values bit-cast: no float64 op under the kernels' numerics) for the round's one
+    read-back (`round_plan.RoundResult.logprobs` reads it)."""
     from v4flash_backend.engine.sampling import GREEDY_TEMPERATURE, process_logits_static
 
     S, G1 = tokens.shape
@@ -221,8 +214,7 @@ def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_k
     tok = lp.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
     rank = 1 + (lp > tok[:, None]).sum(1)
     top_lp, top_ids = lp.topk(LOGPROB_WIDTH, dim=-1)
-    cols = torch.cat([pack_bits(tok)[:, None], rank[:, None], top_ids, pack_bits(top_lp)], 1)  # [S*(G+1), COLS]
-    return cols.view(S, G1 * LOGPROB_COLS)
+    return pack_logprobs(tok, rank, top_ids, top_lp, S)
 
 
 def add_counts(blk: BlockState, slot: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor) -> None:

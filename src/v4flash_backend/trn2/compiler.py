@@ -1,0 +1,99 @@
+"""The Neuron compile path of the static graphs: `compile_step` is torch.compile(fullgraph=True,
+dynamic=False) through a checking backend that rejects a graph with a host sync left in it
+(`static_step.graph_host_syncs`) and then hands the graph to the Neuron backend (`neuron` =
+torch-neuronx / TorchNeuron, or `neuron_libtorch` = libtorch-neuronx-lite, which takes the flags as
+`compiler_args`). Every Neuron-only import happens inside `import_neuron()`; with `backend="none"` or
+`"eager"` (what the CPU tests use) nothing Neuron is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from v4flash_backend import ops
+
+from .launch import NeuronSettings
+from .static_step import graph_host_syncs
+
+COMPILER_ARGS = NeuronSettings().compiler_args  # the default neuronx-cc flags (trn2.launch builds them)
+NEURON_BACKENDS = {"neuron": "torch_neuronx", "neuron_libtorch": "libtorch_neuronx_lite"}
+
+
+class HostSyncInGraph(RuntimeError):
+    """A graph of the static step still reads device values on the host."""
+
+
+def import_neuron(s: NeuronSettings):
+    """Import the package that registers `s.backend` with torch.compile (Neuron images only)."""
+    mod = NEURON_BACKENDS.get(s.backend)
+    if mod is None:
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(mod)
+    except ImportError as e:
+        raise RuntimeError(f"torch.compile backend {s.backend!r} needs {mod} from the Neuron pip repository "
+                           "(see requirements-neuron.txt and docker/Dockerfile.neuron)") from e
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0  # graphs handed to the backend (one per bucket and entry point)
+    seconds: float = 0.0
+    collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
+
+
+def _check_cc_flags(s: NeuronSettings) -> None:
+    """Backend neuron takes no compiler_args: neuronx-cc gets its flags from NEURON_CC_FLAGS only, which
+    group.rank_entry sets. Compiling without them would drop --lnc / --auto-cast=none / the fp8 flag, so
+    every flag of `s` must be there (flags added by others may be too) and no other LNC degree."""
+    import shlex
+
+    from v4flash_backend.settings import flag_lnc
+
+    have = os.environ.get("NEURON_CC_FLAGS", "")
+    missing = [a for a in s.compiler_args if a not in shlex.split(have)]
+    if missing or flag_lnc(have) != s.lnc:
+        raise RuntimeError(f"NEURON_CC_FLAGS {have!r} lacks {missing} or names another LNC than {s.lnc}: start "
+                           "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
+
+
+def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
+    """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
+    import torch._dynamo
+
+    ops.backend_module()  # resolve the ops backend now: the graph must not trace an import
+    if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
+        return fn
+    import_neuron(s)
+    if s.backend == "neuron":
+        _check_cc_flags(s)
+    inner = torch._dynamo.lookup_backend(s.backend)
+    kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
+    stats = stats if stats is not None else CompileStats()
+
+    def checked(gm, example_inputs):
+        syncs = graph_host_syncs(gm)
+        if syncs:
+            raise HostSyncInGraph(f"host syncs in a static graph: {syncs}")
+        from v4flash_backend.parallel.collectives import graph_collectives
+
+        traced["collectives"] = graph_collectives(gm)
+        stats.collectives.append(traced["collectives"])
+        t0 = time.perf_counter()
+        out = inner(gm, example_inputs, **kwargs)
+        stats.graphs += 1
+        stats.seconds += time.perf_counter() - t0
+        return out
+
+    traced: dict = {}
+    compiled = torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
+    return run
