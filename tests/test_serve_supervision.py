@@ -21,9 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _group_pids(soak, http_port) -> list[int]:
-    """torchrun and the ranks under the tritonserver serving http_port."""
+    """torchrun and the ranks under the tritonserver serving http_port: torchrun's command line names
+    the rank entry (`group.rank_entry`), a rank's the worker it replaced itself with."""
     procs = soak._procs()
-    return sorted(p for p in soak.server_tree(http_port) if "v4flash_backend.group.worker" in procs[p][1])
+    mods = ("v4flash_backend.group.worker", "v4flash_backend.group.rank_entry")
+    return sorted(p for p in soak.server_tree(http_port) if any(m in procs[p][1] for m in mods))
 
 
 def _wait(pred, timeout_s: float, step: float = 0.2):
