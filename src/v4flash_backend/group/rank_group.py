@@ -5,7 +5,7 @@ own process session with the project's Python (the Triton stub runs another inte
 worker's interpreter is never guessed from `sys.executable` alone), waits until rank 0 reports its
 address, and connects; `RankGroup.connect(address)` uses a group someone else started (multi-node:
 one torchrun per node). Then `submit` streams a request's events, `cancel`, `health`, `stats` and
-`shutdown` do what they say. The wire protocol is documented in `worker`.
+`shutdown` do what they say. The wire protocol is documented in `protocol`.
 
 This module imports only the standard library: it runs inside the Triton python-backend stub,
 whose interpreter need not have torch.
@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from v4flash_backend.group import protocol
 from v4flash_backend.group.auth import AuthError, client_handshake, load_secret, new_secret, write_secret
 from v4flash_backend.request import RequestError
 
@@ -154,8 +155,7 @@ class Stream:
         self.done = threading.Event()
 
     def _put(self, ev: dict) -> None:
-        final = ev.get("event") == "error" or ev.get("finish_reason") is not None
-        if final:
+        if protocol.is_final(ev):
             self.done.set()
         if self.callback is not None:
             try:
@@ -169,7 +169,7 @@ class Stream:
         while True:
             ev = self.q.get()
             yield ev
-            if ev.get("event") == "error" or ev.get("finish_reason") is not None:
+            if protocol.is_final(ev):
                 return
 
     def result(self, timeout: float | None = None) -> dict:
@@ -340,15 +340,15 @@ class RankGroup:
             if failure is None:
                 self.streams[str(rid)] = st
         if failure is not None:
-            st._put({"id": rid, "event": "error", "code": "UNAVAILABLE", "message": failure})
+            st._put(protocol.error(protocol.UNAVAILABLE, failure, rid))
             return st
-        msg = {"op": "submit", "id": rid, "prompt_ids": [int(t) for t in prompt_ids], "params": params or {}}
+        msg = protocol.submit(rid, prompt_ids, params)
         if not self._send(msg):
             self._fail_stream(str(rid))
         return st
 
     def cancel(self, request_id) -> None:
-        self._send({"op": "cancel", "id": request_id})
+        self._send(protocol.cancel(request_id))
 
     def health(self, timeout: float = 10.0) -> dict:
         """{"ok": bool, ...}: rank 0's answer, or ok=False with the reason it could not answer."""
@@ -409,7 +409,7 @@ class RankGroup:
 
     # ---- internals -------------------------------------------------------------------------------
     def _send(self, msg: dict) -> bool:
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        data = protocol.encode(msg)
         try:
             with self.wlock:
                 self.sock.sendall(data)
@@ -426,7 +426,7 @@ class RankGroup:
                 raise RankGroupError(self.failure)
             self.replies[tag] = q
         try:
-            if not self._send({"op": op, "tag": tag}):
+            if not self._send(protocol.control(op, tag)):
                 raise RankGroupError(self.failure or "rank group connection lost")
             try:
                 reply = q.get(timeout=timeout)
@@ -468,7 +468,7 @@ class RankGroup:
         key = str(msg["id"])
         with self.lock:
             st = self.streams.get(key)
-            if st is not None and (msg.get("event") == "error" or msg.get("finish_reason") is not None):
+            if st is not None and protocol.is_final(msg):
                 del self.streams[key]
         if st is not None:
             st._put(msg)
@@ -483,7 +483,7 @@ class RankGroup:
         with self.lock:
             st = self.streams.pop(key, None)
         if st is not None:
-            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure or "unavailable"})
+            st._put(protocol.error(protocol.UNAVAILABLE, self.failure or "unavailable", st.id))
 
     def _set_failure(self, reason: str) -> None:
         with self.lock:
@@ -492,9 +492,9 @@ class RankGroup:
             streams, self.streams = list(self.streams.values()), {}
             replies = list(self.replies.values())
         for st in streams:
-            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure})
+            st._put(protocol.error(protocol.UNAVAILABLE, self.failure, st.id))
         for q in replies:
-            q.put({"event": "error", "code": "UNAVAILABLE", "message": self.failure})
+            q.put(protocol.error(protocol.UNAVAILABLE, self.failure))
 
 
 def _tail(path: str, n: int = 4000) -> str:
