@@ -1,5 +1,7 @@
 """A rank's process lifetime: die with torchrun, exit when the launcher is gone, refuse a Neuron rank
-whose environment was not applied, stop on SIGTERM; and the ranks' log line."""
+whose environment was not applied, stop on SIGTERM; and the ranks' log line. On the launching side:
+a process's identity (pid and start time) and torchrun's PR_SET_PDEATHSIG guard. Standard library
+only at import: `rank_group` (which runs in the Triton stub) uses it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,44 @@ import os
 import signal
 import sys
 import threading
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks after boot), or None when the process
+    is gone or a zombie (exited, not yet reaped: as good as gone for a watcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[22 - 3])
+
+
+def launcher_identity(pid: int | None = None) -> str:
+    """"PID:START" of this process (or ``pid``): what the ranks of a launched group watch."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}:{process_start_time(pid)}"
+
+
+# Run before torchrun, in the child: ask the kernel for SIGTERM when the parent dies, check the parent
+# is still the launcher (it may have died between fork and prctl), then become torchrun (execv keeps
+# the pid and the death signal). Not a Popen preexec_fn: that is unsafe in a process with threads
+# (the Triton stub has several).
+_GUARD = ("import ctypes, os, signal, sys\n"
+          "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "if os.getppid() != int(sys.argv[1]):\n"
+          "    sys.exit('launcher already gone')\n"
+          "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _guarded(cmd: list[str], python: str, parent_pid: int | None = None) -> list[str]:
+    """``cmd`` run so that it receives SIGTERM when the thread that starts it ends (PR_SET_PDEATHSIG
+    fires on the death of the forking *thread*, not just of its process: start it from a thread that
+    lives as long as the child, e.g. the main thread)."""
+    return [python, "-c", _GUARD, str(os.getpid() if parent_pid is None else parent_pid), *cmd]
 
 
 def _die_with_parent() -> None:
@@ -37,8 +77,6 @@ def _watch_launcher(spec: str | None) -> None:
     if not spec:
         return
     import select
-
-    from v4flash_backend.group.rank_group import process_start_time
 
     rank = int(os.environ.get("RANK", "0"))
 
