@@ -20,7 +20,7 @@ outlives its clients.
 
 Failure: when the connection to rank 0 breaks (a rank died: the others exit within seconds on
 their collective's error or timeout and torchrun tears the group down), every request in flight
-receives a final {"event": "error", "code": "UNAVAILABLE"} message, `health()` reports
+receives a final UNAVAILABLE error message (`protocol.error`), `health()` reports
 ok=False with the reason, and `restart()` launches a fresh group.
 """
 
