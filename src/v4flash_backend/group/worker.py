@@ -10,10 +10,11 @@ which broadcasts every runner call as a fixed-size int64 step plan before runnin
 same collectives. No pickles cross ranks; results stay on rank 0 (the last forward's DSpark taps
 stay on every rank, which is why ring writes name rows instead of shipping hidden states).
 
-Plan layout and codec: `plan_codec` (the static round's `pack_round` / `unpack_round` are here for
-now). The socket protocol: `protocol`; its server: `server`; the process's lifetime (parent death,
-launcher watch, SIGTERM, the Neuron rank environment): `lifetime`; micro-batched pipeline stages:
-`parallel.micro_batch`.
+Plan layout and codec: `plan_codec`; the static round's `pack_round` / `unpack_round` are still here,
+and so are `PlanRunner` and `follow`, the two ends of the broadcast that use them (a module of their
+own would import this one back). The socket protocol: `protocol`; its server: `server`; the
+process's lifetime (parent death, launcher watch, SIGTERM, the Neuron rank environment): `lifetime`;
+micro-batched pipeline stages: `parallel.micro_batch`.
 
 Multi-node: run one torchrun per node (`--nnodes N --node-rank i --master-addr <node 0>`,
 `rank_group.node_command`) with `--host <reachable address of the driver> --port P` and the same
@@ -23,7 +24,6 @@ with the secret. With `--pipeline-parallel P` the stages are consecutive blocks 
 first rank, where the logits are: plans go out from it, boundary payloads go stage to stage
 (`parallel.pipeline`), and ranks of earlier stages skip DSpark plans.
 """
-
 
 from __future__ import annotations
 
