@@ -1,7 +1,7 @@
 """Serving overhead, side by side in one run: the same prompts and sampling through
 
-  engine      the Engine in this process (serving.engine_client.InProcessEngine)
-  rank-group  the torchrun rank group through its socket client (serving.rank_group_client)
+  engine      the Engine in this process (serving.engine_inprocess.InProcessEngine)
+  rank-group  the torchrun rank group through its socket client (serving.engine_rank_group)
   v4flash     Triton gRPC streaming to the v4flash model (input_ids; tritonclient.grpc)
   v4flash_text  Triton gRPC streaming through the ensemble (text_input)
 
@@ -214,9 +214,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     concs = [int(c) for c in a.concurrency.split(",")]
 
-    from v4flash_backend.serving.engine_client import InProcessEngine
-    from v4flash_backend.serving.rank_group_client import RankGroupEngine
-    from v4flash_backend.serving.settings import repository_checkpoint_dir
+    from v4flash_backend.serving.engine_inprocess import InProcessEngine
+    from v4flash_backend.serving.engine_rank_group import RankGroupEngine
+    from v4flash_backend.serving.triton_settings import repository_checkpoint_dir
 
     ckpt, why = repository_checkpoint_dir(ROOT / "model_repository")
     settings = Settings().replace(checkpoint_dir=str(ckpt))

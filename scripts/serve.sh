@@ -50,10 +50,10 @@ if ! ready; then
     fi
 fi
 
-# The checkpoint the v4flash model will serve (same rules as serving/settings.py).
+# The checkpoint the v4flash model will serve (same rules as serving/triton_settings.py).
 ckpt=$(PYTHONPATH=src .venv/bin/python - "$MODEL_REPOSITORY" <<'EOF'
 import sys
-from v4flash_backend.serving.settings import repository_checkpoint_dir
+from v4flash_backend.serving.triton_settings import repository_checkpoint_dir
 path, why = repository_checkpoint_dir(sys.argv[1])
 print(f"[serve] checkpoint {path} ({why})", file=sys.stderr)
 print(path)

@@ -42,7 +42,7 @@ def test_in_process_refuses_what_only_a_rank_group_honours(kw, named, monkeypatc
 
 def test_in_process_engine_refuses_and_the_cli_says_why(capsys):
     from v4flash_backend import cli
-    from v4flash_backend.serving.engine_client import InProcessEngine
+    from v4flash_backend.serving.engine_inprocess import InProcessEngine
 
     with pytest.raises(InProcessRefused, match="sequence_parallel"):
         InProcessEngine(Settings(checkpoint_dir=str(GOLDEN), launcher="inprocess", sequence_parallel=True))
@@ -52,7 +52,7 @@ def test_in_process_engine_refuses_and_the_cli_says_why(capsys):
 
 
 def _serve(settings: Settings, prompt: list[int], n: int):
-    from v4flash_backend.serving.engine_client import InProcessEngine
+    from v4flash_backend.serving.engine_inprocess import InProcessEngine
 
     eng = InProcessEngine(settings, log=lambda m: None)
     done, ids = threading.Event(), []

@@ -107,6 +107,11 @@ def test_stop_tokens_and_eos(tiny_model):
     (dict(prompt=[0, 5], top_p=1.5), "top_p"),
     (dict(prompt=[0, 5], top_k=-2), "top_k"),
     (dict(prompt=[0, 5], stop_token_ids=(-3,)), "stop token"),
+    # checks the engine shares with the Triton side (engine.validation), once only the Triton side's
+    (dict(prompt=[0, 5], frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(prompt=[0, 5], seed=2**64), r"seed must be in \[0, 2\*\*64\)"),
+    (dict(prompt=[0, 5], temperature=float("inf")), "temperature must be >= 0"),
+    (dict(prompt=[0, 5], stop=("x" * 300,)), "stop: at most"),
 ])
 def test_bad_requests_get_clear_errors(tiny_model, kw, msg):
     eng = _engine(tiny_model)

@@ -145,7 +145,7 @@ def test_readme_and_package_docstring_list_every_subpackage():
 
 def test_serving_loads_no_training_module():
     code = ("import sys, v4flash_backend.serving.model_setup, v4flash_backend.serving.prepost, "
-            "v4flash_backend.serving.rank_group_client, v4flash_backend.group.worker\n"
+            "v4flash_backend.serving.engine_rank_group, v4flash_backend.group.worker\n"
             "print(sorted(m for m in sys.modules if m.startswith('v4flash_backend.training')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})

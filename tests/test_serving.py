@@ -20,10 +20,10 @@ from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.serving import triton_io
 from v4flash_backend.serving.detok import StreamDetokenizer
 from v4flash_backend.serving.metrics import ServingMetrics
-from v4flash_backend.serving.request import RequestParser
+from v4flash_backend.serving.parse import RequestParser
 from v4flash_backend.serving.response import OUTPUT_NAMES, ResponseBuilder
 from v4flash_backend.serving.service import GenerateService
-from v4flash_backend.serving.settings import (
+from v4flash_backend.serving.triton_settings import (
     CHECKPOINT_ENV,
     default_checkpoint_dir,
     load_settings,
@@ -694,7 +694,7 @@ class FakeGroup:
 
 
 def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
-    from v4flash_backend.serving import rank_group_client as rgc
+    from v4flash_backend.serving import engine_rank_group as rgc
 
     FakeGroup.launched = []
     monkeypatch.setattr(rgc, "RankGroup", FakeGroup)

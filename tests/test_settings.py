@@ -12,7 +12,7 @@ import pytest
 
 from v4flash_backend.group.worker import build_parser, parse_settings
 from v4flash_backend.serving.params import model_parameters
-from v4flash_backend.settings import Settings
+from v4flash_backend.settings import Settings, default_of, env_setting
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,6 +71,50 @@ def test_the_repository_config_uses_only_known_parameters():
     assert unknown == {} and set(keys) <= {f.name for f in fields(Settings)} | {"dspark"}
 
 
+# Parameters model_repository/v4flash/config.pbtxt may state, each with its reason. A value equal to
+# its default is allowed only as an anchor of docker/Dockerfile.neuron's edit (checked below against
+# the keys that edit rewrites); a value that differs from its default must say why here.
+CONFIG_ANCHORS = {"world_size", "ops_backend", "decode_graph", "startup_timeout_s"}
+CONFIG_DIFFERS: dict[str, str] = {}  # key -> why the repository's model differs from the default
+
+
+def _config_params(text: str) -> dict[str, str]:
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    return dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*{\s*string_value:\s*"([^"]*)"', text))
+
+
+def _config_problems(params: dict[str, str]) -> list[str]:
+    """What config.pbtxt states without a reason: a default restated outside the image's anchors, or a
+    value that differs from its default without an entry in CONFIG_DIFFERS."""
+    default = Settings()
+    by_name = {f.name: f for f in fields(Settings)}
+    problems = []
+    for key, raw in params.items():
+        if key == "dspark":  # the on/off alias of spec_mode
+            key, raw = "spec_mode", ("dspark" if raw.strip().lower() in ("1", "true", "yes", "on") else "off")
+        given, _ = Settings.from_params({key: raw})
+        same = getattr(given, key) == getattr(default, key)  # an empty value keeps the default too
+        if same and key not in CONFIG_ANCHORS:
+            problems.append(f"{key}: restates its default {by_name[key].default!r}")
+        if not same and key not in CONFIG_DIFFERS:
+            problems.append(f"{key}: {raw!r} contradicts its default {by_name[key].default!r} with no reason")
+    return problems
+
+
+def test_config_pbtxt_states_only_what_differs_from_the_defaults():
+    """Every default lives in `Settings`; config.pbtxt restating one (a second place to change) or
+    contradicting one without a reason in CONFIG_DIFFERS fails."""
+    text = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
+    assert _config_problems(_config_params(text)) == []
+    # the anchors are exactly the keys the Neuron image's RUN rewrites
+    docker = (REPO / "docker" / "Dockerfile.neuron").read_text()
+    assert set(re.findall(r'/key: \\?"([a-z_]+)\\?"/s/', docker)) == CONFIG_ANCHORS
+    # a contradicting value or a restated default is caught
+    assert _config_problems({"max_num_seqs": "4"}) == ["max_num_seqs: '4' contradicts its default 8 with no reason"]
+    assert _config_problems({"max_queue_size": "64"}) == ["max_queue_size: restates its default 64"]
+    assert _config_problems({"dspark": "false"})[0].startswith("spec_mode: 'off' contradicts")
+
+
 def test_the_workers_receive_exactly_the_settings_and_flags_win():
     s = Settings(checkpoint_dir="/ckpt", world_size=2, max_num_seqs=3, step_token_budget=77, spec_mode="fixed",
                  queue_timeout_s=9.0, ops_backend="nki-sim")
@@ -108,7 +152,7 @@ def test_environment_overrides_are_declared_on_their_fields():
     declared = {f.metadata["env"]: f for f in fields(Settings) if f.metadata["env"]}
     assert {"NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "V4FLASH_NEURON_CACHE", "V4FLASH_NEURON_BACKEND",
             "V4FLASH_DIST_BACKEND"} <= set(declared)
-    base = Settings()
+    base = Settings(world_size=4)  # a multiple of every sampled pipeline_parallel
     for var, f in declared.items():
         value, text = _sample(f)
         if var == "NEURON_CC_FLAGS":
@@ -116,3 +160,20 @@ def test_environment_overrides_are_declared_on_their_fields():
         assert base.with_env_overrides({var: text}) == base.replace(**{f.name: value}), var
     assert base.with_env_overrides({"V4FLASH_MAX_NUM_SEQS": "3", "NEURON_LOGICAL_NC_CONFIG": " "}) == base
     assert "`$NEURON_CC_FLAGS`" in Settings.markdown_table()
+
+
+def test_processes_without_settings_read_the_same_overrides():
+    """golden-check, the checks and the test ranks resolve pipeline stages, threads and the dist
+    backend through `env_setting` (declared default, else the field's override, parsed and checked)."""
+    assert {"V4FLASH_PIPELINE", "V4FLASH_THREADS"} <= {f.metadata["env"] for f in fields(Settings)}
+    assert (env_setting("pipeline_parallel", {}), env_setting("threads", {"V4FLASH_THREADS": " "})) == (1, 1)
+    assert env_setting("pipeline_parallel", {"V4FLASH_PIPELINE": "2"}) == 2
+    assert env_setting("dist_backend", {"V4FLASH_DIST_BACKEND": "gloo"}) == "gloo"
+    with pytest.raises(ValueError, match="'threads' must be >= 1"):
+        env_setting("threads", {"V4FLASH_THREADS": "0"})
+    # the served ranks get the same variables through with_env_overrides
+    assert Settings(world_size=4).with_env_overrides({"V4FLASH_PIPELINE": "2"}).pipeline_parallel == 2
+    # request defaults come from the one declaration
+    from v4flash_backend.request import GenerateRequest
+
+    assert GenerateRequest(prompt=[1]).max_tokens == default_of("default_max_tokens") == Settings().default_max_tokens

@@ -38,7 +38,7 @@ profiled = []
 real = E.interleaved_medians
 E.interleaved_medians = lambda *a, **k: (profiled.append(1), real(*a, **k))[1]
 from v4flash_backend.request import GenerateRequest
-from v4flash_backend.serving.engine_client import InProcessEngine
+from v4flash_backend.serving.engine_inprocess import InProcessEngine
 from v4flash_backend.settings import Settings
 s = Settings(checkpoint_dir=ckpt, state_dir=state, launcher="inprocess", spec_mode="dspark",
              calibration_online=True, max_num_seqs=2, max_model_len=96)

@@ -39,9 +39,11 @@ ADMIN_KEY = "test-admin-key-0123456789abcdef"
 
 
 def _set_param(config: str, key: str, value: str) -> str:
+    """config with parameter key set to value: rewritten where config.pbtxt states it, else added
+    (the repository's config states only what differs from the defaults)."""
     out, n = re.subn(r'(key: "%s", value: \{ string_value: )"[^"]*"' % re.escape(key), r'\1"%s"' % value, config)
-    assert n == 1, f"parameter {key} not in config.pbtxt"
-    return out
+    assert n <= 1, f"parameter {key} given {n} times in config.pbtxt"
+    return out if n else config + f'parameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
 
 
 def _build_repository(root: Path) -> Path:

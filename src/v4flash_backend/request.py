@@ -1,10 +1,10 @@
 """The one request type and the one error type, from the Triton parser to the engine.
 
-`GenerateRequest` is what `serving.request.RequestParser` builds from a Triton request, what the
+`GenerateRequest` is what `serving.parse.RequestParser` builds from a Triton request, what the
 rank-group client sends to rank 0 (`to_wire` / `from_wire`: the prompt ids and the sampling
 fields as one JSON object, type-checked on arrival) and what the engine queues. A new sampling
 option is one field here (with `wire=True` when rank 0 needs it) plus its parsing in
-`serving.request` and its use in the engine.
+`serving.parse` and its use in the engine.
 
 `RequestError` carries the Triton status code of every request failure: INVALID_ARG (the
 request is wrong), UNAVAILABLE (the server cannot serve it now), CANCELLED, INTERNAL.
@@ -16,6 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
+
+from v4flash_backend.settings import default_of
 
 CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
 
@@ -45,7 +47,7 @@ class GenerateRequest:
 
     prompt: list[int]
     # ---- sampling (wire) ----
-    max_tokens: int = _wire(64, "int")
+    max_tokens: int = _wire(default_of("default_max_tokens"), "int")
     temperature: float = _wire(0.0, "float")
     top_k: int = _wire(0, "int")
     top_p: float = _wire(1.0, "float")

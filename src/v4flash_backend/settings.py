@@ -13,7 +13,17 @@ Everything else is derived from `Settings`:
   NEURON_RT_VISIBLE_CORES, the compile caches) comes from the `neuron_*` fields.
 
 A few settings name an environment variable (`env=`) that overrides them: `with_env_overrides` is the
-one place those variables are read (by `group.rank_entry`, before a rank imports torch).
+one place those variables are read (by `group.rank_entry`, before a rank imports torch); `env_setting`
+gives one field the same reading for a process started without `Settings` (golden-check, the checks
+under torchrun, the test ranks: $V4FLASH_PIPELINE, $V4FLASH_THREADS, $V4FLASH_DIST_BACKEND).
+
+Three variables are read elsewhere, as process defaults below the settings:
+- V4FLASH_OPS and V4FLASH_NUMERICS (ops/__init__.py, at import): the op seam's backend and numerics
+  for a process that never calls `ops.set_backend` / `ops.set_numerics`; a rank sets the backend
+  from ops_backend, and the numerics from numerics when it is non-empty (trn2.launch also sets both
+  variables in a Neuron rank's environment);
+- V4FLASH_ATTN_GROUP (parallel/collectives.py `init_distributed`): the attention group size, over
+  the checkpoint's bound; a test knob (several groups at W = 4), not a setting.
 
 Adding a setting = adding one field below (see the README's contributor notes).
 """
@@ -74,7 +84,8 @@ class Settings:
     world_size: int = setting(1, "ranks of the torchrun group (64 on trn2.48xlarge at LNC=2)", scope="group", low=1)
     pipeline_parallel: int = setting(
         1, "pipeline stages: world_size / pipeline_parallel consecutive ranks per stage (one node each "
-        "across nodes), the layers split into contiguous stages; eager decode only", scope="group", low=1)
+        "across nodes), the layers split into contiguous stages; eager decode only", scope="group", low=1,
+        env="V4FLASH_PIPELINE")
     pipeline_micro_batches: int = setting(
         1, "with pipeline_parallel > 1: a forward of several sequences runs as this many micro-batches so "
         "stages overlap inside a step (see the README's pipeline section for the measured effect)",
@@ -98,7 +109,7 @@ class Settings:
     heartbeat_s: float = setting(
         2.0, "idle plan interval of rank 0 (below half the collective timeout)", scope="group", positive=True)
     plan_size: int = setting(2048, "initial int64 slots of a step plan (grows on demand)", scope="group", low=16)
-    threads: int = setting(1, "torch threads per rank", scope="group", low=1)
+    threads: int = setting(1, "torch threads per rank", scope="group", low=1, env="V4FLASH_THREADS")
     decode_graph: str = setting(
         "", "decode steps as the static round graphs per bucket (static) or the op-by-op forward (eager); "
         "empty: static when ops_backend is nki, else " + CPU_DECODE_GRAPH, scope="group", choices=DECODE_GRAPHS)
@@ -246,7 +257,7 @@ class Settings:
         import os
 
         environ = os.environ if environ is None else environ
-        changes = {f.name: _parse(f, environ[f.metadata["env"]]) for f in fields(self)
+        changes = {f.name: env_setting(f.name, environ) for f in fields(self)
                    if f.metadata["env"] and environ.get(f.metadata["env"], "").strip()}
         return replace(self, **changes) if changes else self
 
@@ -329,6 +340,25 @@ class Settings:
                 doc += f"; overridden by `${f.metadata['env']}` when set"
             rows.append(f"| `{f.name}` | `{default}` | {f.metadata['scope']} | {doc} |")
         return "\n".join(rows)
+
+
+def default_of(name: str):
+    """The declared default of setting `name`, for a module that needs that one value without a
+    `Settings` (so the default is still written once, above)."""
+    return Settings.__dataclass_fields__[name].default
+
+
+def env_setting(name: str, environ=None):
+    """Setting `name` as a process started without `Settings` sees it (golden-check and the checks
+    under torchrun, the test ranks): its `env=` override when set and non-empty (parsed and checked
+    like any value), else its default. The same reading as `with_env_overrides`, for one field, so
+    the rest of the environment is not validated where it is not used."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    f = Settings.__dataclass_fields__[name]
+    raw = environ.get(f.metadata["env"], "") if f.metadata["env"] else ""
+    return _coerce(f, _parse(f, raw)) if raw.strip() else f.default
 
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}

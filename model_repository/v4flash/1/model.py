@@ -3,7 +3,7 @@
 Thin Triton hooks only (vllm_backend's shape). The logic lives in
 v4flash_backend.serving: settings (parameters, checkpoint lookup), request (parsing and
 validation), response (output tensors), service (submission, the response-sending
-thread, cancellation, FINAL always sent), engine_client / rank_group_client (the rank group or an in-process
+thread, cancellation, FINAL always sent), engine_inprocess / engine_rank_group (the rank group or an in-process
 engine), metrics.
 
 Finding the package: as in preprocessing/1/model.py, the repository's src/ (three
@@ -74,7 +74,7 @@ class TritonPythonModel:
                 "v4flash streams token chunks: set model_transaction_policy { decoupled: true }")
         try:
             # the rank group dies with this stub and with the server (the stub's parent): when
-            # tritonserver crashes, a stub can hang instead of exiting (rank_group_client.py)
+            # tritonserver crashes, a stub can hang instead of exiting (engine_rank_group.py)
             self._service = build_service(config, args["model_repository"], args["model_name"],
                                           args["model_version"], metric_api=pb_utils, log=_log,
                                           watch_also=(os.getppid(),))

@@ -4,17 +4,18 @@ with its progress on stdout and its final line last, and being run as a module."
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
+from v4flash_backend.settings import env_setting
+
 
 def run_check(check, *args, **kwargs) -> int:
     """`check(*args, log=..., **kwargs)` -> (ok, final line, ...) with torch threads from
-    $V4FLASH_THREADS (default 1: the machine's cores are the ranks'), each progress line flushed as it
-    comes and the final line printed last; the exit code is 0 when ok."""
-    torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
+    $V4FLASH_THREADS, else the threads setting's default, each progress line flushed as it comes and
+    the final line printed last; the exit code is 0 when ok."""
+    torch.set_num_threads(env_setting("threads"))
     ok, final = check(*args, log=lambda s: print(s, flush=True), **kwargs)[:2]
     print(final, flush=True)
     return 0 if ok else 1

@@ -35,6 +35,7 @@ from .seq import CONTEXT_IDS, KIND_OF, ON_DEVICE, STEP_KINDS, STOP_WIDTH, Event,
 from .stats import EngineStats
 from .step_cost import StepCost
 from .step_profile import StepProfiler
+from .validation import check_request
 
 # the engine's public names, importable from here as before the split into modules
 __all__ = ["CONTEXT_IDS", "KIND_OF", "ON_DEVICE", "STEP_KINDS", "STOP_WIDTH", "Engine", "Event", "Seq",
@@ -81,30 +82,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
 
     # ---- public API (thread-safe) -----------------------------------------------------------
     def validate(self, r: GenerateRequest) -> None:
-        V = self.mcfg.vocab_size
-        if not r.prompt:
-            raise RequestError("empty prompt: give at least one token")
-        if len(r.prompt) >= self.cfg.max_model_len:
-            raise RequestError(f"prompt has {len(r.prompt)} tokens; max_model_len is {self.cfg.max_model_len} "
-                               "(prompt + at least one generated token must fit)")
-        bad = [t for t in r.prompt if not 0 <= int(t) < V]
-        if bad:
-            raise RequestError(f"token id {bad[0]} outside the vocabulary [0, {V})")
-        if r.max_tokens <= 0:
-            raise RequestError(f"max_tokens must be > 0, got {r.max_tokens}")
-        if not r.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {r.temperature}")
-        if not 0 < r.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {r.top_p}")
-        if r.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {r.top_k}")
-        bad = [t for t in r.stop_token_ids if not 0 <= int(t) < V]
-        if bad:
-            raise RequestError(f"stop token id {bad[0]} outside the vocabulary [0, {V})")
-        if not 0 <= r.min_tokens <= r.max_tokens:
-            raise RequestError(f"min_tokens must be in [0, max_tokens={r.max_tokens}], got {r.min_tokens}")
-        if not -1 <= r.logprobs <= 20:
-            raise RequestError(f"logprobs must be in [0, 20] (-1: none), got {r.logprobs}")
+        """Raise RequestError (INVALID_ARG) for a request this engine cannot serve (engine.validation:
+        the one check, which the Triton side runs too)."""
+        check_request(r, self.mcfg.vocab_size, self.cfg.max_model_len)
 
     def submit(self, r: GenerateRequest) -> str:
         self.validate(r)

@@ -1,6 +1,6 @@
 """One way to build an engine: `build_engine(settings)` for every place that runs one.
 
-- in this process (`cli.generate_in_process`, `serving.engine_client.InProcessEngine`): the ops
+- in this process (`cli.generate_in_process`, `serving.engine_inprocess.InProcessEngine`): the ops
   backend set, the checkpoint loaded, the runner a W = 1 rank would build (`build_runner`), the
   `Engine` on it; settings that only a rank group honours are refused (`InProcessRefused`), never
   ignored;

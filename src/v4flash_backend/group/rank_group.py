@@ -191,7 +191,7 @@ class RankGroup:
         PR_SET_PDEATHSIG, which the kernel sends when the *calling thread* ends, so pass True only
         from a thread that lives as long as the group. ``watch_also``: more pids whose death ends the
         group (the Triton model passes the server's: a stub can hang instead of exiting when the
-        server under it dies, see `serving.rank_group_client`)."""
+        server under it dies, see `serving.engine_rank_group`)."""
         py = project_python(python)
         workdir = tempfile.mkdtemp(prefix="v4flash-group-")  # mode 0700
         port_file = os.path.join(workdir, "rank0.json")

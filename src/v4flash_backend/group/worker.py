@@ -379,7 +379,7 @@ def main(argv=None) -> int:
 
     # the attention group is bounded by what the checkpoint can be split by, inside one stage
     cfg = ModelConfig.from_json(settings.checkpoint_dir)
-    P = settings.pipeline_parallel or int(os.environ.get("V4FLASH_PIPELINE", "1"))
+    P = settings.pipeline_parallel  # >= 1; $V4FLASH_PIPELINE is applied by with_env_overrides
     stage_world = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, P))
     lay, coll = init_distributed(settings.dist_backend or None, settings.collective_timeout_s,
                                  settings.pipeline_parallel, attention_group_max(cfg, stage_world))

@@ -15,6 +15,7 @@ from v4flash_backend.config import ModelConfig
 from v4flash_backend.formats import quant
 from v4flash_backend.formats.checkpoint import CheckpointReader
 from v4flash_backend.model.weights import linear
+from v4flash_backend.settings import env_setting
 
 from .collectives import Collectives, init_distributed
 from .layout import SP_MIN_ROWS_PER_RANK, Layout, load_shard
@@ -200,12 +201,12 @@ def load_sharded_model(ckpt_dir: str | Path, lay: Layout, coll: Collectives, seq
 def model_for_env(ckpt_dir: str | Path, pipeline: int | None = None, sequence_parallel: bool = False):
     """The model for a process that may have been started by torchrun: the sharded model of this
     rank when WORLD_SIZE > 1 (joining the process group; `pipeline` stages, default
-    $V4FLASH_PIPELINE or 1), else the plain W = 1 model. Every rank must then make the same
-    forward calls (as golden-check does)."""
+    the pipeline_parallel setting: $V4FLASH_PIPELINE or 1), else the plain W = 1 model. Every rank
+    must then make the same forward calls (as golden-check does)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         from v4flash_backend.model.loading import load_model as load_local
 
         return load_local(ckpt_dir)
-    torch.set_num_threads(int(os.environ.get("V4FLASH_THREADS", "1")))
+    torch.set_num_threads(env_setting("threads"))  # $V4FLASH_THREADS, else the threads default
     lay, coll = init_distributed(pipeline=pipeline)
     return load_sharded_model(ckpt_dir, lay, coll, sequence_parallel)

@@ -1,10 +1,10 @@
 """The Triton side of v4flash (imports everything below it; never training/).
 
-`settings` (config.pbtxt parameters -> `Settings`, checkpoint lookup), `params` (reading a
-model's parameters and sibling configs), `request` (Triton inputs -> a validated
+`triton_settings` (config.pbtxt parameters -> `Settings`, checkpoint lookup), `params` (reading a
+model's parameters and sibling configs), `parse` (Triton inputs -> a
 `GenerateRequest`), `response` (engine events -> output tensors), `service` (the request loop:
-submission, the response-sending thread, cancellation, FINAL always sent), `engine_client` /
-`rank_group_client` (what the service talks to: the Engine in process, or the torchrun rank group
+submission, the response-sending thread, cancellation, FINAL always sent), `engine_inprocess` /
+`engine_rank_group` (what the service talks to: the Engine in process, or the torchrun rank group
 with its watchdog), `model_setup` (wires all of it from initialize()'s arguments), `metrics`,
 `detok` (stateless exact streaming detokenization), `prepost` (the pre/postprocessing models),
 `triton_io` (the v4flash model's input and output declarations).

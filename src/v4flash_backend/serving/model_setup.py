@@ -14,11 +14,11 @@ from tokenizers import Tokenizer
 from v4flash_backend.settings import Settings
 
 from .detok import StreamDetokenizer
-from .engine_client import EngineClient, InProcessEngine
+from .engine_inprocess import EngineClient, InProcessEngine
 from .metrics import ServingMetrics
-from .request import RequestParser
+from .parse import RequestParser
 from .service import GenerateService
-from .settings import load_settings, tokenizer_path
+from .triton_settings import load_settings, tokenizer_path
 
 
 def load_tokenizer(path: Path, log: Callable[[str], None]) -> Tokenizer | None:
@@ -34,7 +34,7 @@ def make_engine(settings: Settings, log: Callable[[str], None] = print,
     rank group dies with besides this process (`RankGroupEngine`)."""
     if settings.launcher == "inprocess":
         return InProcessEngine(settings, log)
-    from .rank_group_client import RankGroupEngine
+    from .engine_rank_group import RankGroupEngine
 
     return RankGroupEngine(settings, log, watch_also=watch_also)
 

@@ -37,7 +37,7 @@ def find_tokenizer(params: dict[str, str], model_dir: str | Path) -> Path:
     2. the ``checkpoint_dir`` parameter of the engine model's config.pbtxt in the same
        repository (parameter ``engine_model_name``, default "v4flash");
     3. the environment variable V4FLASH_CHECKPOINT_DIR;
-    4. the checkpoint the engine model serves by default (serving.settings: the embedded model,
+    4. the checkpoint the engine model serves by default (serving.triton_settings: the embedded model,
        else the golden tiny checkpoint).
     Relative paths are taken from the model repository root.
     """
@@ -53,7 +53,7 @@ def find_tokenizer(params: dict[str, str], model_dir: str | Path) -> Path:
         candidates.append((f"${CHECKPOINT_ENV}", os.environ[CHECKPOINT_ENV]))
     default_error = None
     try:
-        from .settings import repository_checkpoint_dir
+        from .triton_settings import repository_checkpoint_dir
 
         default, why = repository_checkpoint_dir(Path(model_dir).resolve().parent, engine)
         candidates.append((f"default checkpoint ({why})", str(default)))
@@ -109,7 +109,7 @@ class Preprocessor:
             raise ValueError("text_input is required: the v4flash_text ensemble takes the prompt as "
                              "text_input (STRING), not prompt or input_ids (send token ids to v4flash)")
         text = _one_string(text_input, "text_input")
-        # "" is refused, not served as a BOS-only prompt (the v4flash model's rule, request.py)
+        # "" is refused, not served as a BOS-only prompt (the v4flash model's rule, parse.py)
         ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids if text else []
         if not ids:
             raise ValueError("text_input is empty: the prompt needs at least one token")

@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 from v4flash_backend.request import GenerateRequest, RequestError
 
 from .metrics import ServingMetrics
-from .request import RequestParser
+from .parse import RequestParser
 from .response import ResponseBuilder
 
 

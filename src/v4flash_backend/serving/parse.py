@@ -1,4 +1,6 @@
-"""Parsing and validating one `v4flash` request (numpy inputs -> `GenerateRequest`).
+"""Parsing one `v4flash` request (numpy inputs -> `GenerateRequest`): typed inputs and JSON are
+parsed and converted here; the values are then checked by the engine's own rules
+(`engine.validation`), so a bad request gets the engine's message without a round trip.
 
 Inputs (config.pbtxt of model_repository/v4flash, declared in serving/triton_io.py; exactly one
 of the first two):
@@ -18,7 +20,7 @@ are read from there, other request parameters are not ours to judge).
 echoed in non-streamed output only; false while streaming is an error.
 
 Every problem raises `RequestError` (v4flash_backend.request) with code INVALID_ARG and a message that names the
-input and the value; nothing here talks to the engine.
+input and the value; nothing here talks to the engine (engine.validation is torch-free).
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from typing import Callable
 
 import numpy as np
 
+from v4flash_backend.engine.validation import check_prompt, check_sampling
 from v4flash_backend.request import GenerateRequest, invalid
-
-_UINT64_MAX = 2**64 - 1
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
+from v4flash_backend.settings import default_of
 
 
 # ---- typed tensors ---------------------------------------------------------------------------
@@ -145,13 +145,6 @@ def _json_one(value, name):
     return 1
 
 
-def _json_penalty(value, name):
-    v = _json_float(value, name)
-    if not -2.0 <= v <= 2.0:  # the OpenAI range
-        raise invalid(f"{name} must be in [-2, 2], got {value!r}")
-    return v
-
-
 def _json_logit_bias(value, name):
     if value not in ({}, None, "{}"):
         raise invalid(f"{name} is not supported, got {value!r}")
@@ -164,7 +157,7 @@ _JSON_PARSERS = {
     "min_tokens": _json_int, "stop": _json_stop, "logprobs": _json_int,
     # what Triton's OpenAI frontend puts in sampling_parameters for every request (vllm format,
     # engine/utils/triton.py _create_vllm_generate_request: the OpenAI request's non-None fields)
-    "n": _json_one, "frequency_penalty": _json_penalty, "presence_penalty": _json_penalty,
+    "n": _json_one, "frequency_penalty": _json_float, "presence_penalty": _json_float,
     "logit_bias": _json_logit_bias,
 }
 SAMPLING_KEYS = tuple(_JSON_PARSERS)
@@ -174,8 +167,7 @@ _TENSOR_PARSERS = {
     "stop_token_ids": lambda arr, name: [int(v) for v in _check_kind(arr, name, "iu", "INT32").reshape(-1)],
     # TRT-LLM format (the OpenAI frontend's _create_trtllm_generate_request): stop_words STRING [-1]
     "stop_words": lambda arr, name: _strings(arr, name),
-    "frequency_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
-    "presence_penalty": lambda arr, name: _json_penalty(_float_input(arr, name), name),
+    "frequency_penalty": _float_input, "presence_penalty": _float_input,
 }
 # BOOL inputs that only ask for outputs this model always sends (vllm_backend's return_* inputs);
 # return_logprobs / return_cumulative_logprob also switch the engine's log-prob computation on.
@@ -232,7 +224,7 @@ class RequestParser:
     text_input (None: text_input is refused).
     """
 
-    def __init__(self, vocab_size: int, max_model_len: int, default_max_tokens: int = 64,
+    def __init__(self, vocab_size: int, max_model_len: int, default_max_tokens: int = default_of("default_max_tokens"),
                  tokenize: Callable[[str], list[int]] | None = None):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -259,7 +251,7 @@ class RequestParser:
             prompt = list(self.tokenize(prompt_text)) if prompt_text else []
             if not prompt:
                 raise invalid("text_input is empty: the prompt needs at least one token")
-        self._check_prompt(prompt)
+        check_prompt(prompt, self.vocab_size, self.max_model_len)
 
         stream = _bool_input(inputs["stream"], "stream") if "stream" in inputs else False
         if "exclude_input_in_output" in inputs:
@@ -280,6 +272,7 @@ class RequestParser:
         req = GenerateRequest(prompt=prompt, prompt_text=prompt_text, stream=stream, echo=echo,
                               max_tokens=self.default_max_tokens)
         self._apply_sampling(req, values)
+        check_sampling(req, self.vocab_size)  # the engine's own checks, answered here without a round trip
         req.return_logprobs = flags.get("return_logprobs", False)
         if req.logprobs < 0 and (req.return_logprobs or flags.get("return_cumulative_logprob")):
             req.logprobs = 0  # the sampled token's log-prob only
@@ -298,58 +291,19 @@ class RequestParser:
                           f"max_model_len is {self.max_model_len}, so at most {room} can be generated")
         req.max_tokens = room
 
-    def _check_prompt(self, prompt: list[int]) -> None:
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise invalid(f"token id {bad[0]} in the prompt is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise invalid(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                          "(prompt + at least one generated token must fit)")
-
-    def _apply_sampling(self, req: GenerateRequest, v: dict) -> None:
-        if "max_tokens" in v:
-            if v["max_tokens"] <= 0:
-                raise invalid(f"max_tokens must be > 0, got {v['max_tokens']}")
-            req.max_tokens = v["max_tokens"]
-        if "temperature" in v:
-            t = v["temperature"]
-            if not (t >= 0 and math.isfinite(t)):
-                raise invalid(f"temperature must be >= 0, got {t}")
-            req.temperature = t
-        if "top_p" in v:
-            p = v["top_p"]
-            if not 0 < p <= 1:
-                raise invalid(f"top_p must be in (0, 1], got {p}")
-            req.top_p = p
+    @staticmethod
+    def _apply_sampling(req: GenerateRequest, v: dict) -> None:
+        """The parsed values onto `req`, converted to the engine's spelling (checked afterwards by
+        engine.validation.check_sampling)."""
+        for key in ("max_tokens", "temperature", "top_p", "seed", "min_tokens", "frequency_penalty",
+                    "presence_penalty", "logprobs"):
+            if key in v:
+                setattr(req, key, v[key])
         if "top_k" in v:
-            k = v["top_k"]
-            if k < -1:
-                raise invalid(f"top_k must be >= 0 (0 or -1: disabled), got {k}")
-            req.top_k = max(k, 0)  # -1 is vLLM's "disabled", 0 the engine's
-        if "seed" in v:
-            if not 0 <= v["seed"] <= _UINT64_MAX:
-                raise invalid(f"seed must be in [0, 2**64), got {v['seed']}")
-            req.seed = v["seed"]
+            req.top_k = 0 if v["top_k"] == -1 else v["top_k"]  # -1 is vLLM's "disabled", 0 the engine's
         if "stop_token_ids" in v:
-            bad = [t for t in v["stop_token_ids"] if not 0 <= t < self.vocab_size]
-            if bad:
-                raise invalid(f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             req.stop_token_ids = tuple(v["stop_token_ids"])
         if "ignore_eos" in v:
             req.ignore_eos = bool(v["ignore_eos"])
-        if "min_tokens" in v:
-            if not 0 <= v["min_tokens"] <= req.max_tokens:
-                raise invalid(f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {v['min_tokens']}")
-            req.min_tokens = v["min_tokens"]
         if "stop" in v:
-            stops = [t for t in v["stop"] if t]  # an empty string would match everywhere
-            if len(stops) > MAX_STOP_STRINGS or any(len(t) > MAX_STOP_CHARS for t in stops):
-                raise invalid(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
-            req.stop = tuple(stops)
-        for key in ("frequency_penalty", "presence_penalty"):
-            if key in v:
-                setattr(req, key, v[key])
-        if "logprobs" in v:
-            if not 0 <= v["logprobs"] <= MAX_LOGPROBS:
-                raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v['logprobs']}")
-            req.logprobs = v["logprobs"]
+            req.stop = tuple(t for t in v["stop"] if t)  # an empty string would match everywhere

@@ -24,7 +24,7 @@ from v4flash_backend.group.rank_group import RankGroup, RankGroupError
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
 
-from .engine_client import EventCallback, checkpoint_vocab_size
+from .engine_inprocess import EventCallback, checkpoint_vocab_size
 
 # Warm-up prompt: BOS plus a few ids every vocabulary has; only its timing matters.
 _WARMUP_PROMPT = [0, 3, 4, 5]

@@ -9,7 +9,7 @@
     close()
     vocab_size, max_model_len           the limits RequestParser checks against
 
-`rank_group_client.RankGroupEngine` is the serving path: a torchrun rank group
+`engine_rank_group.RankGroupEngine` is the serving path: a torchrun rank group
 (`group.rank_group.RankGroup`), rank 0 running the Engine. `InProcessEngine` here runs the
 Engine on a thread of the calling process (one rank, no subprocess): the launcher=inprocess
 setting, and the unit tests. `model_setup.make_engine` picks one.
