@@ -35,3 +35,42 @@ def test_cli_generate_and_errors(golden_dir):
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
     r = subprocess.run(cmd + ["--prompt-ids", "0,5", "--max-tokens", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "max_tokens" in r.stderr
+
+
+def test_generate_flags_come_from_the_settings_schema():
+    """`generate` keeps every flag it had before its setting flags were generated from `Settings`
+    (issue 31), they land in the run's Settings, and a value outside a setting's choices is refused
+    by the parser with the schema's choice list."""
+    import argparse
+
+    import pytest
+
+    from v4flash_backend import cli
+    from v4flash_backend.settings import DECODE_GRAPHS, OPS_BACKENDS, SPEC_MODES
+
+    ap = argparse.ArgumentParser()
+    cli.add_generate_arguments(ap)
+    ns = ap.parse_args(["--checkpoint", "ck", "--ops", "nki-sim", "--world-size", "4", "--decode-graph", "eager",
+                        "--graph-backend", "none", "--spec-mode", "fixed", "--pipeline-parallel", "2",
+                        "--sequence-parallel", "--sps-path", "sps.json", "--step-report", "--prompt", "hi",
+                        "--prompt-ids", "1,2", "--max-tokens", "3", "--temperature", "0.5", "--top-k", "3",
+                        "--top-p", "0.9", "--seed", "7", "--ignore-eos", "--address", "h:1",
+                        "--group-secret-file", "secret", "--python", "py"])
+    s = cli.generate_settings(ns, [1, 2])
+    assert (s.checkpoint_dir, s.ops_backend, s.world_size, s.decode_graph, s.graph_backend, s.spec_mode,
+            s.pipeline_parallel, s.sequence_parallel, s.sps_path, s.count_host_syncs, s.max_model_len) == (
+        "ck", "nki-sim", 4, "eager", "none", "fixed", 2, True, "sps.json", True, 2 + 3 + 8)
+    assert cli.generate_params(ns) == {"max_tokens": 3, "temperature": 0.5, "top_k": 3, "top_p": 0.9,
+                                       "ignore_eos": True, "seed": 7}
+    assert (ns.address, ns.group_secret_file, ns.python, ns.prompt, ns.prompt_ids) == ("h:1", "secret", "py", "hi",
+                                                                                       [1, 2])
+    plain = ap.parse_args(["--checkpoint", "ck"])  # unset: the Settings defaults, the CPU's ops
+    assert (plain.ops_backend, plain.world_size, plain.decode_graph, plain.sequence_parallel) == ("torch", None,
+                                                                                                  None, None)
+    for flag, choices in (("--ops", OPS_BACKENDS), ("--decode-graph", DECODE_GRAPHS), ("--spec-mode", SPEC_MODES)):
+        action = next(a for a in ap._actions if flag in a.option_strings)
+        assert list(action.choices) == list(choices), flag
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--checkpoint", "ck", flag, "bogus"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--prompt-ids", "1"])  # a run needs its checkpoint

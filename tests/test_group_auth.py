@@ -1,4 +1,4 @@
-"""The rank-group socket's shared-secret authentication (group/auth.py, worker.Server).
+"""The rank-group socket's shared-secret authentication (group/auth.py, server.Server).
 
 A real `Server` in front of a real `Engine` on the tiny checkpoint (in this process, no torchrun):
 clients without the secret, with a wrong one, silent ones and ones flooding the handshake are
@@ -39,7 +39,7 @@ def served(tiny_model, monkeypatch):
     """(Server, log lines, engine) on 127.0.0.1 with SECRET; the engine loop on a thread."""
     from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.runner import LocalRunner
-    from v4flash_backend.group.worker import Server
+    from v4flash_backend.group.server import Server
     from v4flash_backend.settings import Settings
 
     for k in (auth.SECRET_ENV, auth.SECRET_FILE_ENV):
@@ -153,7 +153,7 @@ def test_a_flood_of_handshakes_is_capped(served):
 def test_listening_beyond_loopback_needs_a_secret(tiny_model):
     from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.runner import LocalRunner
-    from v4flash_backend.group.worker import Server
+    from v4flash_backend.group.server import Server
     from v4flash_backend.settings import Settings
 
     assert auth.is_loopback("127.0.0.1") and auth.is_loopback("::1") and auth.is_loopback("localhost")

@@ -123,7 +123,7 @@ WATCHER = r"""
 import os, sys, time
 if sys.argv[2] == "poll":
     del os.pidfd_open  # the fallback: /proc polled every second
-from v4flash_backend.group.worker import _watch_launcher
+from v4flash_backend.group.lifetime import _watch_launcher
 _watch_launcher(sys.argv[1])
 print("watching", flush=True)
 time.sleep(60)

@@ -7,7 +7,8 @@
   docstring and the README);
 - importing the serving side (what the Triton models load) loads no training module;
 - the op seam's functions are written out (go-to-definition works) with the reference's signatures.
-- no module in engine/ or trn2/ over 500 lines;
+- no module in engine/, trn2/, group/ or checks/ over 500 lines; the socket protocol built by its
+  one module;
 - engine/ imports nothing from trn2/ but the round plan types (`trn2.round_plan`, which itself imports
   nothing of the graphs), and no module but those types reads a packed column of a round's read-back.
 The checkers themselves are shown to catch a deliberate violation.
@@ -256,3 +257,21 @@ def test_the_plan_checkers_catch_a_deliberate_violation():
         "k, conf = row[G + 1], precision.unpack_bits(row[G + 5:2 * G + 5])\n")}
     found = column_readers(bad)
     assert {name for _, name in found} >= {"LOGPROB_COLS", "unpack_bits", "row[G + 1]", "row[G + 5:2 * G + 5]"}, found
+
+
+def test_no_group_or_checks_module_over_500_lines():
+    """group/ split by concern (issue 31: entry, plan codec, server, protocol, lifetime), the
+    release-shaped checks' shared parts out of trn2.py and release.py."""
+    sizes = {f"{d}/{p.name}": len(p.read_text().splitlines()) for d in ("group", "checks")
+             for p in (PKG / d).glob("*.py")}
+    assert {"group/worker.py", "group/server.py", "group/protocol.py", "group/lifetime.py"} <= set(sizes)
+    assert not {k: v for k, v in sizes.items() if v > 500}, sizes
+
+
+def test_the_socket_messages_are_built_by_the_protocol_module():
+    """The rank-group socket's messages have one owner (group/protocol.py, where they are documented):
+    the server and the client build theirs with it instead of spelling dicts out."""
+    for name in ("server.py", "rank_group.py"):
+        text = (PKG / "group" / name).read_text()
+        for spelled in ('"event": "error"', '"op": "submit"', '"op": "cancel"', "json.dumps("):
+            assert spelled not in text, (name, spelled)

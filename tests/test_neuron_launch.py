@@ -123,7 +123,7 @@ def test_the_rank_entry_gives_the_worker_its_environment(monkeypatch, tmp_path):
 
 
 def test_a_neuron_worker_without_its_environment_is_refused(monkeypatch):
-    from v4flash_backend.group import worker
+    from v4flash_backend.group import lifetime
     from v4flash_backend.trn2.launch import rank_environment
 
     s = release_settings()
@@ -131,11 +131,11 @@ def test_a_neuron_worker_without_its_environment_is_refused(monkeypatch):
     for k in rank_environment(s, 3):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(SystemExit, match="rank_entry"):
-        worker._check_rank_env(s)
+        lifetime._check_rank_env(s)
     for k, v in rank_environment(s, 3).items():
         monkeypatch.setenv(k, v)
-    worker._check_rank_env(s)  # applied: accepted
-    worker._check_rank_env(Settings(ops_backend="torch"))  # CPU ranks need nothing
+    lifetime._check_rank_env(s)  # applied: accepted
+    lifetime._check_rank_env(Settings(ops_backend="torch"))  # CPU ranks need nothing
 
 
 def test_dry_run_prints_the_plan(monkeypatch):

@@ -290,7 +290,7 @@ def test_layout_rules():
 
 # ---- step plans -------------------------------------------------------------------------------------------
 def test_step_plans_round_trip():
-    from v4flash_backend.group.worker import (
+    from v4flash_backend.group.plan_codec import (
         pack_dspark,
         pack_forward,
         unpack_dspark,

@@ -405,7 +405,7 @@ def test_micro_batches_reassemble_one_forward(tiny_model):
     exact numerics (rows of different sequences do not interact), for every logits_rows form."""
     from v4flash_backend import ops
     from v4flash_backend.engine.runner import LocalRunner
-    from v4flash_backend.group.worker import MicroBatchRunner
+    from v4flash_backend.parallel.micro_batch import MicroBatchRunner
 
     assert MicroBatchRunner.split([(0, 0, 5), (1, 0, 1), (2, 0, 1)], 2) == [[(0, 0, 5)], [(1, 0, 1), (2, 0, 1)]]
     assert MicroBatchRunner.split([(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)], 2) == [[(0, 0, 1), (1, 0, 1)],

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from v4flash_backend import cli
 from v4flash_backend.group import rank_group
 from v4flash_backend.group.rank_group import RankGroup, RankGroupError
 from v4flash_backend.request import parse_wire_params as parse_params
@@ -154,13 +155,13 @@ def test_connect_by_address_and_cli_generate(group, tiny_model, capsys, monkeypa
     with pytest.raises(RankGroupError, match="not launched"):
         other.restart()
     other.close()
-    args = argparse.Namespace(prompt_ids=p, prompt=None, checkpoint=None, max_tokens=5, temperature=0.0, top_k=0,
+    args = argparse.Namespace(prompt_ids=p, prompt=None, checkpoint_dir=None, max_tokens=5, temperature=0.0, top_k=0,
                               top_p=1.0, seed=None, ignore_eos=True, world_size=None, address=address, python=None,
-                              ops="torch")
+                              ops_backend="torch")
     with pytest.raises(RankGroupError, match="requires a shared secret"):
-        rank_group.generate_via_group(args)  # no secret anywhere
+        cli.generate_via_group(args)  # no secret anywhere
     monkeypatch.setenv("V4FLASH_GROUP_SECRET", group.secret.decode())  # the CLI's --address client reads it
-    assert rank_group.generate_via_group(args) == 0
+    assert cli.generate_via_group(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "output_ids: " + " ".join(map(str, _alone(tiny_model, p, 5)))
     assert out[-1].startswith("finish_reason=length tokens=5 world_size=2")

@@ -44,9 +44,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -63,9 +61,10 @@ from v4flash_backend.model.state import ModelState
 from v4flash_backend.parallel import placement
 from v4flash_backend.parallel.collectives import Collectives
 from v4flash_backend.parallel.layout import Layout, shard_spec
-from v4flash_backend.settings import env_setting
 
 from . import footprint
+from .command import run_check, standalone
+from .memory import _RssSampler, _status_kib, meta_device, to_meta
 
 GIB = 1024 ** 3
 TOLERANCE = 0.02  # loaded vs placement bytes (the issue's bound)
@@ -117,42 +116,6 @@ def build_checkpoint(cfg: ModelConfig, path: Path, overwrite: bool = False):
     if cfg.engram_layer_ids and not (path / "tokenizer.json").exists():
         shutil.copy(tokenizer_json(), path / "tokenizer.json")
     return sc
-
-
-def _status_kib(*keys) -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k = line.split(":")[0]
-            if k in keys:
-                out[k] = int(line.split()[1])
-    return out
-
-
-class _RssSampler:
-    """Peak anonymous and file-backed RSS of this process while a block runs (sampled every 50 ms):
-    the loader's memory map shows up as file-backed RSS (clean page-cache pages, reclaimable), the
-    tensors it returns as anonymous RSS."""
-
-    def __init__(self):
-        self.peak_anon = self.peak_file = 0
-        self._stop = threading.Event()
-
-    def _run(self):
-        while not self._stop.is_set():
-            s = _status_kib("RssAnon", "RssFile")
-            self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
-            self.peak_file = max(self.peak_file, s.get("RssFile", 0))
-            self._stop.wait(0.05)
-
-    def __enter__(self):
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 @dataclass
@@ -273,47 +236,6 @@ def select_prefill_buckets(prefill_chunk: int, max_model_len: int, which: str = 
         return []
     allb = prefill_buckets(prefill_chunk, max_model_len)
     return allb if which == "all" else _corners(allb) if which == "corners" else _smallest(allb)
-
-
-def to_meta(model) -> None:
-    """Move the model's weights and Engram hasher to the meta device, freeing the real weights (the
-    model is then good for shape tracing only)."""
-    W = model.W
-    for k in list(W):
-        W[k] = W[k].to("meta")
-    if model.hasher is not None:
-        model.hasher.to("meta")
-    gc.collect()
-    release_freed_memory()
-
-
-def release_freed_memory() -> None:
-    """Hand the freed weights back to the OS: glibc keeps freed heap chunks (most tensors under its
-    32 MiB mmap threshold land on the heap) as resident memory until malloc_trim."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
-@contextmanager
-def meta_device():
-    """Factories create meta tensors; the quant module's constant tables (CPU tensors that would meet
-    meta operands) are swapped for meta copies for the duration."""
-    from v4flash_backend.formats import quant
-
-    saved = {k: v for k, v in vars(quant).items() if isinstance(v, torch.Tensor) and v.dim()}
-    for k, v in saved.items():
-        setattr(quant, k, v.to("meta"))
-    torch.set_default_device("meta")
-    try:
-        yield
-    finally:
-        torch.set_default_device(None)
-        for k, v in saved.items():
-            setattr(quant, k, v)
 
 
 # ---- 2. graphs --------------------------------------------------------------------------------------
@@ -531,17 +453,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    torch.set_num_threads(env_setting("threads"))  # $V4FLASH_THREADS, else the threads default
-    ok, final = release_check(args.config, args.world_size, args.rank, args.checkpoint, args.max_model_len,
-                              args.max_num_seqs, args.buckets, args.kernels, log=lambda s: print(s, flush=True),
-                              prefill_chunk=args.prefill_chunk, op_calls=args.op_calls)
-    print(final, flush=True)
-    return 0 if ok else 1
+    return run_check(release_check, args.config, args.world_size, args.rank, args.checkpoint, args.max_model_len,
+                     args.max_num_seqs, args.buckets, args.kernels, prefill_chunk=args.prefill_chunk,
+                     op_calls=args.op_calls)
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m v4flash_backend release-check")
-    add_arguments(ap)
-    sys.exit(main(ap.parse_args()))
+    standalone("python -m v4flash_backend release-check", add_arguments, main)

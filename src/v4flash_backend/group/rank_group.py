@@ -5,7 +5,7 @@ own process session with the project's Python (the Triton stub runs another inte
 worker's interpreter is never guessed from `sys.executable` alone), waits until rank 0 reports its
 address, and connects; `RankGroup.connect(address)` uses a group someone else started (multi-node:
 one torchrun per node). Then `submit` streams a request's events, `cancel`, `health`, `stats` and
-`shutdown` do what they say. The wire protocol is documented in `worker`.
+`shutdown` do what they say. The wire protocol is documented in `protocol`.
 
 This module imports only the standard library: it runs inside the Triton python-backend stub,
 whose interpreter need not have torch.
@@ -20,7 +20,7 @@ outlives its clients.
 
 Failure: when the connection to rank 0 breaks (a rank died: the others exit within seconds on
 their collective's error or timeout and torchrun tears the group down), every request in flight
-receives a final {"event": "error", "code": "UNAVAILABLE"} message, `health()` reports
+receives a final UNAVAILABLE error message (`protocol.error`), `health()` reports
 ok=False with the reason, and `restart()` launches a fresh group.
 """
 
@@ -40,7 +40,9 @@ import threading
 import time
 from pathlib import Path
 
+from v4flash_backend.group import protocol
 from v4flash_backend.group.auth import AuthError, client_handshake, load_secret, new_secret, write_secret
+from v4flash_backend.group.lifetime import _guarded, launcher_identity, process_start_time  # noqa: F401 - re-exported
 from v4flash_backend.request import RequestError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/src/v4flash_backend (or site-packages/...)
@@ -99,44 +101,6 @@ def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_r
             + (["--watch-launcher", watch_launcher] if watch_launcher else []))
 
 
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks after boot), or None when the process
-    is gone or a zombie (exited, not yet reaped: as good as gone for a watcher)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[22 - 3])
-
-
-def launcher_identity(pid: int | None = None) -> str:
-    """"PID:START" of this process (or ``pid``): what the ranks of a launched group watch."""
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}:{process_start_time(pid)}"
-
-
-# Run before torchrun, in the child: ask the kernel for SIGTERM when the parent dies, check the parent
-# is still the launcher (it may have died between fork and prctl), then become torchrun (execv keeps
-# the pid and the death signal). Not a Popen preexec_fn: that is unsafe in a process with threads
-# (the Triton stub has several).
-_GUARD = ("import ctypes, os, signal, sys\n"
-          "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-          "if os.getppid() != int(sys.argv[1]):\n"
-          "    sys.exit('launcher already gone')\n"
-          "os.execv(sys.argv[2], sys.argv[2:])\n")
-
-
-def _guarded(cmd: list[str], python: str, parent_pid: int | None = None) -> list[str]:
-    """``cmd`` run so that it receives SIGTERM when the thread that starts it ends (PR_SET_PDEATHSIG
-    fires on the death of the forking *thread*, not just of its process: start it from a thread that
-    lives as long as the child, e.g. the main thread)."""
-    return [python, "-c", _GUARD, str(os.getpid() if parent_pid is None else parent_pid), *cmd]
-
-
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -154,8 +118,7 @@ class Stream:
         self.done = threading.Event()
 
     def _put(self, ev: dict) -> None:
-        final = ev.get("event") == "error" or ev.get("finish_reason") is not None
-        if final:
+        if protocol.is_final(ev):
             self.done.set()
         if self.callback is not None:
             try:
@@ -169,7 +132,7 @@ class Stream:
         while True:
             ev = self.q.get()
             yield ev
-            if ev.get("event") == "error" or ev.get("finish_reason") is not None:
+            if protocol.is_final(ev):
                 return
 
     def result(self, timeout: float | None = None) -> dict:
@@ -340,15 +303,15 @@ class RankGroup:
             if failure is None:
                 self.streams[str(rid)] = st
         if failure is not None:
-            st._put({"id": rid, "event": "error", "code": "UNAVAILABLE", "message": failure})
+            st._put(protocol.error(protocol.UNAVAILABLE, failure, rid))
             return st
-        msg = {"op": "submit", "id": rid, "prompt_ids": [int(t) for t in prompt_ids], "params": params or {}}
+        msg = protocol.submit(rid, prompt_ids, params)
         if not self._send(msg):
             self._fail_stream(str(rid))
         return st
 
     def cancel(self, request_id) -> None:
-        self._send({"op": "cancel", "id": request_id})
+        self._send(protocol.cancel(request_id))
 
     def health(self, timeout: float = 10.0) -> dict:
         """{"ok": bool, ...}: rank 0's answer, or ok=False with the reason it could not answer."""
@@ -409,7 +372,7 @@ class RankGroup:
 
     # ---- internals -------------------------------------------------------------------------------
     def _send(self, msg: dict) -> bool:
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        data = protocol.encode(msg)
         try:
             with self.wlock:
                 self.sock.sendall(data)
@@ -426,7 +389,7 @@ class RankGroup:
                 raise RankGroupError(self.failure)
             self.replies[tag] = q
         try:
-            if not self._send({"op": op, "tag": tag}):
+            if not self._send(protocol.control(op, tag)):
                 raise RankGroupError(self.failure or "rank group connection lost")
             try:
                 reply = q.get(timeout=timeout)
@@ -468,7 +431,7 @@ class RankGroup:
         key = str(msg["id"])
         with self.lock:
             st = self.streams.get(key)
-            if st is not None and (msg.get("event") == "error" or msg.get("finish_reason") is not None):
+            if st is not None and protocol.is_final(msg):
                 del self.streams[key]
         if st is not None:
             st._put(msg)
@@ -483,7 +446,7 @@ class RankGroup:
         with self.lock:
             st = self.streams.pop(key, None)
         if st is not None:
-            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure or "unavailable"})
+            st._put(protocol.error(protocol.UNAVAILABLE, self.failure or "unavailable", st.id))
 
     def _set_failure(self, reason: str) -> None:
         with self.lock:
@@ -492,9 +455,9 @@ class RankGroup:
             streams, self.streams = list(self.streams.values()), {}
             replies = list(self.replies.values())
         for st in streams:
-            st._put({"id": st.id, "event": "error", "code": "UNAVAILABLE", "message": self.failure})
+            st._put(protocol.error(protocol.UNAVAILABLE, self.failure, st.id))
         for q in replies:
-            q.put({"event": "error", "code": "UNAVAILABLE", "message": self.failure})
+            q.put(protocol.error(protocol.UNAVAILABLE, self.failure))
 
 
 def _tail(path: str, n: int = 4000) -> str:
@@ -520,153 +483,3 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
         except subprocess.TimeoutExpired:
             continue
     return proc.poll()
-
-
-# ---- `python -m v4flash_backend generate --world-size W` ---------------------------------------------
-def add_generate_arguments(parser) -> None:
-    """The rank-group options of the `generate` subcommand."""
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="run through a rank group of W ranks (torchrun) instead of in this process "
-                             "(both run the serving Engine with its counter-based noise: same ids)")
-    parser.add_argument("--address", default=None, help="use a running rank group at host:port")
-    parser.add_argument("--group-secret-file", default=None,
-                        help="the shared secret of the group at --address (default $V4FLASH_GROUP_SECRET_FILE, "
-                             "else $V4FLASH_GROUP_SECRET)")
-    parser.add_argument("--python", default=None, help="interpreter for the workers (default: the repo's .venv)")
-    parser.add_argument("--decode-graph", choices=["eager", "static"], default=None,
-                        help="decode steps as the static round graphs or op by op (default: static with "
-                             "--ops nki, else the CPU default)")
-    parser.add_argument("--graph-backend", default=None,
-                        help="torch.compile backend of the static graphs (none, eager, aot_eager, inductor, neuron)")
-    parser.add_argument("--spec-mode", choices=["dspark", "fixed", "off"], default=None)
-    parser.add_argument("--pipeline-parallel", type=int, default=None,
-                        help="pipeline stages of the rank group (world-size / P ranks each; eager decode)")
-    parser.add_argument("--sequence-parallel", action="store_true", default=None,
-                        help="sequence-parallel prefill inside each stage of the rank group")
-    parser.add_argument("--sps-path", default=None,
-                        help="DSpark SPS table: loaded if present, else profiled and saved (default: a cache file "
-                             "per checkpoint under ~/.cache/v4flash, so seeded sampled runs agree across W and "
-                             "decode_graph: admission depends on the table)")
-    parser.add_argument("--step-report", action="store_true",
-                        help="end with the lines 'ids: ...' and 'step-report: ...' (decode-step counts)")
-
-
-def generate_prompt(args):
-    """(prompt ids, tokenizer or None) of the `generate` subcommand: --prompt TEXT is tokenized with
-    the checkpoint's tokenizer (BOS prepended), else --prompt-ids."""
-    prompt = list(args.prompt_ids or [])
-    tok = None
-    if getattr(args, "prompt", None) is not None:
-        from tokenizers import Tokenizer
-
-        from v4flash_backend.config import ModelConfig
-
-        tok = Tokenizer.from_file(f"{args.checkpoint}/tokenizer.json")
-        prompt = [ModelConfig.from_json(args.checkpoint).bos_token_id] + tok.encode(
-            args.prompt, add_special_tokens=False).ids
-    return prompt, tok
-
-
-def generate_params(args) -> dict:
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-              "top_p": args.top_p, "ignore_eos": bool(args.ignore_eos)}
-    if args.seed is not None:
-        params["seed"] = args.seed
-    return params
-
-
-def generate_settings(args, prompt: list[int]):
-    """The Settings of a `generate` run, the same in process and in a rank group of any W (one
-    slot, the prompt's length plus max_tokens, the shared SPS table)."""
-    from v4flash_backend.settings import Settings
-
-    extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
-                               ("graph_backend", getattr(args, "graph_backend", None)),
-                               ("spec_mode", getattr(args, "spec_mode", None)),
-                               ("pipeline_parallel", getattr(args, "pipeline_parallel", None)),
-                               ("sequence_parallel", getattr(args, "sequence_parallel", None)),
-                               ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args)),
-                               ("count_host_syncs", bool(getattr(args, "step_report", False)))) if v}
-    return Settings(checkpoint_dir=args.checkpoint, world_size=args.world_size or 1,
-                    ops_backend=getattr(args, "ops", "torch"), max_num_seqs=1,
-                    max_model_len=len(prompt) + args.max_tokens + 8, **extra)
-
-
-def print_generation(tokens, reason, last, tok, world, times, report) -> None:
-    """The `generate` output (in process and through a rank group alike); times = (t0 start,
-    t1 ready, first token or None, t2 end)."""
-    t0, t1, first, t2 = times
-    print("output_ids:", " ".join(map(str, tokens)))
-    if tok is not None:
-        print("text:", tok.decode(tokens))
-    n = len(tokens)
-    dec = t2 - (first or t2)
-    print(f"finish_reason={reason} tokens={n} world_size={world} start_s={t1 - t0:.1f} "
-          f"ttft_s={(first or t2) - t1:.3f} decode_tok_s={(n - 1) / dec if n > 1 and dec > 0 else 0:.1f} "
-          f"drafted={last['drafted']} accepted={last['accepted']}")
-    if report is not None:
-        print(step_report_lines(tokens, report, world), end="")
-
-
-def generate_via_group(args) -> int:
-    """The `generate` subcommand through a rank group; prints like the in-process command."""
-    prompt, tok = generate_prompt(args)
-    if not prompt:
-        print("error: give --prompt-ids or --prompt", file=sys.stderr)
-        return 2
-    params = generate_params(args)
-    t0 = time.perf_counter()
-    if args.address:
-        group = RankGroup.connect(args.address, secret_file=getattr(args, "group_secret_file", None))
-    else:
-        group = RankGroup.launch(generate_settings(args, prompt), python=args.python)
-    t1 = time.perf_counter()
-    try:
-        st = group.submit(prompt, params)
-        first = None
-        tokens, reason, last = [], None, None
-        for ev in st:
-            if ev.get("event") == "error":
-                print(f"error: {ev.get('code')}: {ev.get('message')}", file=sys.stderr)
-                return 2 if ev.get("code") == "INVALID_ARG" else 1
-            if ev["token_ids"] and first is None:
-                first = time.perf_counter()
-            tokens += ev["token_ids"]
-            reason, last = ev["finish_reason"], ev
-        t2 = time.perf_counter()
-        report = group.stats().get("engine", {}) if getattr(args, "step_report", False) else None
-    finally:
-        if not args.address:
-            group.shutdown()
-    print_generation(tokens, reason, last, tok, group.info.get("world_size"), (t0, t1, first, t2), report)
-    return 0
-
-
-def default_sps_path(args) -> str:
-    """The CLI's SPS table cache, one per checkpoint and ops backend (not per W or mode): DSpark
-    admission reads the table, which is a timing, so a seeded T > 0 run is reproducible -- across
-    runs, W and decode_graph -- only with the same table. The first run profiles and saves it,
-    later runs load it ($V4FLASH_CACHE_DIR, default ~/.cache/v4flash; --sps-path picks another)."""
-    import hashlib
-    import os
-
-    root = os.environ.get("V4FLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "v4flash")
-    os.makedirs(root, exist_ok=True)
-    key = hashlib.sha1(f"{os.path.realpath(args.checkpoint)}|{getattr(args, 'ops', 'torch')}".encode()).hexdigest()
-    return os.path.join(root, f"sps-{key[:16]}.json")
-
-
-def step_report_lines(tokens, st: dict, world) -> str:
-    """The two closing lines of `generate --step-report` (their format is part of the interface).
-    Per-step figures are over decode steps (steps with no prefill rows); graphs_per_step and
-    host_syncs_per_step print as integers when they are whole."""
-    def num(v):
-        if v is None:
-            return "n/a"  # not counted (an eager runner without count_host_syncs)
-        return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
-
-    return (f"ids: {','.join(map(str, tokens))}\n"
-            f"step-report: decode_graph={st.get('decode_graph')} world={world} steps={st.get('decode_steps', 0)} "
-            f"graphs_per_step={num(st.get('graphs_per_step', 0))} "
-            f"host_syncs_per_step={num(st.get('host_syncs_per_step', 0))} "
-            f"host_to_device_bytes_per_step={int(round(st.get('host_to_device_bytes_per_step', 0)))}\n")

@@ -4,6 +4,7 @@
 pipeline stages and their cuts; `shard_spec` / `load_shard`), `collectives` (the one
 torch.distributed wrapper, counting per group and step; `init_distributed`), `comm` (DistComm, the
 model's collective hooks on a sharded rank, sequence parallelism; building the sharded model),
-`pipeline` (the stage boundary's payload and bytes), `placement` (bytes per rank and collectives per
+`pipeline` (the stage boundary's payload and bytes), `micro_batch` (a stage's forward split into
+micro-batches so the stages overlap), `placement` (bytes per rank and collectives per
 step, no tensors).
 """
