@@ -17,33 +17,33 @@ from .step_cost import drafting_pays, expected_survivals
 class AdaptivePolicy:
     def _init_policy(self) -> None:
         """The policy's state (called by Engine.__init__ once spec and gamma are known)."""
-        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.cfg.calibration_online)
+        self.calib = (OnlineCalibrator(self._load_calibration(), enabled=self.settings.calibration_online)
                       if self.spec else None)
         # calibrated confidences, draft-cost-aware admission and stepping aside, on eager steps and in
         # the static rounds alike (the calibration and the step table are round inputs, a stepped-aside
         # round is graph 1 alone): the same request and seed give the same tokens in both modes
-        self.adaptive = self.cfg.dspark_adaptive
+        self.adaptive = self.settings.dspark_adaptive
         # a step's verified blocks enter the online calibration after the step's drafting, in both
         # modes: the static draft graph reads the calibration as an input taken before the round
         self._observed: list[tuple] = []
         self._skipped = 0  # consecutive steps whose drafts stepped aside
-        self._probe_gap = self.cfg.probe_every  # steps aside before the next probe (see _drafting_decision)
+        self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
         self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
 
     def _load_calibration(self) -> Calibration:
-        if self.cfg.calibration_path:
-            return Calibration.load(self.cfg.calibration_path, self.gamma)
-        return Calibration.for_checkpoint(self.cfg.checkpoint_dir, self.gamma)
+        if self.settings.calibration_path:
+            return Calibration.load(self.settings.calibration_path, self.gamma)
+        return Calibration.for_checkpoint(self.settings.checkpoint_dir, self.gamma)
 
     def _drafting_decision(self, seqs: list[Seq]) -> str:
         """draft | probe | skip for this step (dspark_adaptive; see step_cost.drafting_pays). Uses only
         acceptances observed in earlier steps, never this step's draws."""
-        if self.cfg.spec_mode != "dspark" or not self.adaptive:
+        if self.settings.spec_mode != "dspark" or not self.adaptive:
             return "draft"
         surv = [self._expected_survivals(s) for s in seqs]
         if drafting_pays(self.ensure_cost(), surv)[0]:
             self._skipped = 0
-            self._probe_gap = self.cfg.probe_every
+            self._probe_gap = self.settings.probe_every
             return "draft"
         self._skipped += 1
         if self._skipped >= self._probe_gap:
@@ -53,7 +53,7 @@ class AdaptivePolicy:
             # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
             # still seen within probe_max_every steps
             self._skipped = 0
-            self._probe_gap = max(self.cfg.probe_every, min(2 * self._probe_gap, self.cfg.probe_max_every))
+            self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"
         return "skip"
 

@@ -54,11 +54,11 @@ class EagerStep:
             spec.append((s.slot, s.n_cached, len(ids)))
             rows += range(off, off + len(ids))
             off += len(ids)
-        budget = self.cfg.step_token_budget
+        budget = self.settings.step_token_budget
         for s in self.running:
             if not s.prefilling or budget <= 0:
                 continue
-            n = min(self.cfg.prefill_chunk, len(s.req.prompt) - s.n_cached, budget)
+            n = min(self.settings.prefill_chunk, len(s.req.prompt) - s.n_cached, budget)
             budget -= n
             prefill.append((s, off, n))
             tokens += s.req.prompt[s.n_cached:s.n_cached + n]
@@ -138,14 +138,14 @@ class EagerStep:
         # drafting after the verify of round r draws from round r's drafting stream
         block = acc.markov_draft(out.base_logits, anchors, lambda prev: d.markov(prev)[0], self._params(seqs),
                                  self._sampler(seqs, STREAM_DRAFT, -1), logit_fn=self._draft_logit_fn(seqs))
-        room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.cfg.max_model_len - s.n_cached - 2,
+        room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.settings.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)
         conf_logits = self._confidence_logits(out, block)
         c = None
-        if self.adaptive and self.cfg.spec_mode == "dspark":
+        if self.adaptive and self.settings.spec_mode == "dspark":
             c = self._calibrated(seqs, conf_logits)
-        if self.cfg.spec_mode == "fixed":
-            ell = admit_fixed(len(seqs), self.cfg.fixed_len, self.gamma)
+        if self.settings.spec_mode == "fixed":
+            ell = admit_fixed(len(seqs), self.settings.fixed_len, self.gamma)
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
             ell = admit_fixed(len(seqs), 1, self.gamma)
             self.totals["draft_probes"] += 1

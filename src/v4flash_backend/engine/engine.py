@@ -56,13 +56,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
     def __init__(self, runner: Runner, config: Settings | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
-        self.cfg = config or Settings()
+        self.settings = config or Settings()
         self.mcfg = runner.cfg
-        if self.cfg.spec_mode != "off" and runner.drafter is None:
-            self.cfg = self.cfg.replace(spec_mode="off")  # a checkpoint without DSpark stages
+        if self.settings.spec_mode != "off" and runner.drafter is None:
+            self.settings = self.settings.replace(spec_mode="off")  # a checkpoint without DSpark stages
         self.gamma = self.mcfg.dspark_block_size if self.spec else 0
         self._init_policy()
-        self.free = list(range(self.cfg.max_num_seqs))
+        self.free = list(range(self.settings.max_num_seqs))
         self.waiting: deque[GenerateRequest] = deque()
         self.running: list[Seq] = []
         self.cancelled: set[str] = set()
@@ -79,13 +79,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
 
     @property
     def spec(self) -> bool:
-        return self.cfg.spec_mode != "off"
+        return self.settings.spec_mode != "off"
 
     # ---- public API (thread-safe) -----------------------------------------------------------
     def validate(self, r: GenerateRequest) -> None:
         """Raise RequestError (INVALID_ARG) for a request this engine cannot serve (engine.validation:
         the one check, which the Triton side runs too)."""
-        check_request(r, self.mcfg.vocab_size, self.cfg.max_model_len)
+        check_request(r, self.mcfg.vocab_size, self.settings.max_model_len)
 
     def submit(self, r: GenerateRequest) -> str:
         self.validate(r)
@@ -94,11 +94,11 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             # count, so a burst onto an idle engine is not refused; beyond max_queue_size more,
             # the client hears at once that the server is full (and may retry elsewhere or
             # later) instead of waiting up to queue_timeout_s while memory grows with the queue.
-            if len(self.waiting) - len(self.free) >= self.cfg.max_queue_size:
+            if len(self.waiting) - len(self.free) >= self.settings.max_queue_size:
                 self.totals["rejected"] += 1
                 raise RequestError(
-                    f"server at capacity: all {self.cfg.max_num_seqs} KV slots are busy and "
-                    f"{self.cfg.max_queue_size} requests are already waiting (max_queue_size); retry later",
+                    f"server at capacity: all {self.settings.max_num_seqs} KV slots are busy and "
+                    f"{self.settings.max_queue_size} requests are already waiting (max_queue_size); retry later",
                     "UNAVAILABLE")
             self.waiting.append(r)
             self.totals["requests"] += 1
@@ -135,7 +135,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
     # ---- the step's cost -----------------------------------------------------------------------
     def warmup(self) -> None:
         """Start-of-service work: profile (or load) the step cost before the first request."""
-        if self.cfg.spec_mode == "dspark":
+        if self.settings.spec_mode == "dspark":
             self.ensure_cost()
 
     def ensure_cost(self) -> StepCost:
@@ -143,7 +143,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         slots and the scratch slot, or loaded from sps_file; a profile it timed is saved there."""
         if self.cost is not None:
             return self.cost
-        prof = StepProfiler(self.runner, self.cfg, self.gamma, clock=self.clock)
+        prof = StepProfiler(self.runner, self.settings, self.gamma, clock=self.clock)
         loaded = prof.load()
         if loaded is not None:
             self.cost = loaded
@@ -162,7 +162,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self._admit_waiting()
         if not self.running:
             return
-        if self.cfg.spec_mode == "dspark" and self.cost is None:
+        if self.settings.spec_mode == "dspark" and self.cost is None:
             self.ensure_cost()  # before the step's forward: profiling runs forwards of its own
         try:
             self._step_running()
@@ -190,13 +190,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             while self.waiting and self.free:
                 r = self.waiting.popleft()
                 new.append(Seq(r, self.free.pop(0), list(r.prompt)))
-            expired = [r for r in self.waiting if now - r.arrival > self.cfg.queue_timeout_s]
+            expired = [r for r in self.waiting if now - r.arrival > self.settings.queue_timeout_s]
             for r in expired:
                 self.waiting.remove(r)
             self.totals["expired"] += len(expired)
         for r in expired:
-            self._emit(r, Event(r.id, [], [], error=f"no free slot within {self.cfg.queue_timeout_s:.0f} s "
-                                                    f"(max_num_seqs={self.cfg.max_num_seqs})",
+            self._emit(r, Event(r.id, [], [], error=f"no free slot within {self.settings.queue_timeout_s:.0f} s "
+                                                    f"(max_num_seqs={self.settings.max_num_seqs})",
                                 error_code="UNAVAILABLE"))
         for s in new:
             self.runner.reset_slot(s.slot)
@@ -231,7 +231,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         reason = None
         if stopped:
             reason = "stop"
-        elif s.n_out >= s.req.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
+        elif s.n_out >= s.req.max_tokens or len(s.tokens) >= self.settings.max_model_len:
             reason = "length"
         s.finish = reason
         self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),

@@ -36,7 +36,7 @@ class StaticRoundStep:
         seqs = list(self.running)
         decision = self._drafting_decision(seqs) if self.spec else "draft"
         self._kind = KIND_OF[decision]
-        dspark = self.spec and self.cfg.spec_mode == "dspark"
+        dspark = self.spec and self.settings.spec_mode == "dspark"
         processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs)
         self._sync_round_state(seqs, processed)
         in_sync = [s.counted == s.n_out for s in seqs]
@@ -71,7 +71,7 @@ class StaticRoundStep:
 
     def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> RoundPlan:
         """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round)."""
-        L = self.cfg.max_model_len
+        L = self.settings.max_model_len
         stops = self._stop_lists(seqs)
         kw = dict(
             slot=[s.slot for s in seqs], start=[s.n_cached for s in seqs],
@@ -81,8 +81,8 @@ class StaticRoundStep:
             rnd=[s.rounds for s in seqs], budget=[s.req.max_tokens - s.n_out for s in seqs],
             len_left=[L - s.n_cached - 1 for s in seqs],
             stop_ids=[x + [-1] * (STOP_WIDTH - len(x)) for x in stops],
-            spec_mode=self.cfg.spec_mode if self.spec and decision != "skip" else "off",
-            fixed_len=self.cfg.fixed_len, sps=sps_tensors(self.ensure_cost().forward) if dspark else None)
+            spec_mode=self.settings.spec_mode if self.spec and decision != "skip" else "off",
+            fixed_len=self.settings.fixed_len, sps=sps_tensors(self.ensure_cost().forward) if dspark else None)
         if dspark:
             kw.update(self._adaptive_plan(seqs, decision))
         if processed:

@@ -41,8 +41,9 @@ class EngineStats:
         try:
             with self.lock:
                 d = dict(self.totals)
+                n = self.settings.max_num_seqs
                 d.update(waiting=len(self.waiting), running=len(self.running),
-                         slots_in_use=self.cfg.max_num_seqs - len(self.free), slots_total=self.cfg.max_num_seqs)
+                         slots_in_use=n - len(self.free), slots_total=n)
         finally:
             if got:
                 self.step_lock.release()

@@ -27,16 +27,16 @@ from .step_cost import StepCost, fit_seq_model, interleaved_medians, round_secon
 class StepProfiler:
     """Times the step cost of one runner under the engine's settings (see `Engine.ensure_cost`)."""
 
-    def __init__(self, runner, cfg: Settings, gamma: int, clock: Callable[[], float] = time.perf_counter):
-        self.runner, self.cfg, self.gamma, self.clock = runner, cfg, gamma, clock
+    def __init__(self, runner, settings: Settings, gamma: int, clock: Callable[[], float] = time.perf_counter):
+        self.runner, self.settings, self.gamma, self.clock = runner, settings, gamma, clock
 
     def _medians(self, fn, sizes) -> dict[int, float]:
         return interleaved_medians(fn, sizes, rounds=3, clock=self.clock)
 
     def load(self) -> StepCost | None:
         """The profile at sps_file when one is there (a server restarted on the same machine)."""
-        if self.cfg.sps_file and os.path.exists(self.cfg.sps_file):
-            return StepCost.load(self.cfg.sps_file)
+        if self.settings.sps_file and os.path.exists(self.settings.sps_file):
+            return StepCost.load(self.settings.sps_file)
         return None
 
     def measure(self, free: list[int]) -> StepCost:
@@ -45,7 +45,7 @@ class StepProfiler:
         the scratch slot. A profile taken while requests hold slots covers R up to the free ones
         (t_forward holds the largest R's table beyond)."""
         scratch = self.runner.state.num_slots - 1
-        top = self.cfg.max_num_seqs * (1 + self.gamma)
+        top = self.settings.max_num_seqs * (1 + self.gamma)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, top} & set(range(1, top + 1)) | {top})
         if self.runner.static_rounds:
             return self._static_cost(sizes, scratch)
@@ -57,8 +57,8 @@ class StepProfiler:
         table; the context is written once and each timed call overwrites the same positions
         (a reset inside the timed call had added its own cost to every size)."""
         Q = 1 + self.gamma
-        slots = ([scratch] + [s for s in free if s != scratch])[:self.cfg.max_num_seqs]
-        ctx = max(1, min(48, self.cfg.max_model_len - Q - 2))
+        slots = ([scratch] + [s for s in free if s != scratch])[:self.settings.max_num_seqs]
+        ctx = max(1, min(48, self.settings.max_model_len - Q - 2))
         ks = sorted(k for k in {1, 2, (Q + 2) // 2, Q} if 1 <= k <= Q)
         Rs = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= len(slots)} | {len(slots)})
         for slot in slots:
@@ -107,7 +107,7 @@ class StepProfiler:
         Markov drafting, confidence, admission) minus it gives the draft seconds of R requests
         (R's bucket), so `drafting_pays` compares a stepped-aside round with a drafting one."""
         Q = 1 + self.gamma
-        N = self.cfg.max_num_seqs
+        N = self.settings.max_num_seqs
         timed = sorted({min(1 << (S - 1).bit_length(), N) for S in range(1, N + 1)})  # the sequence buckets
         seqs = sorted({-(-b // Q) for b in sizes} | set(range(1, N + 1)))  # a round of S pads to its bucket
 
@@ -118,11 +118,11 @@ class StepProfiler:
                 len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=mode, fixed_len=0,
                 sps=None))
 
-        both = [(S, m) for S in timed for m in ("off", self.cfg.spec_mode)]  # interleaved: aside and full
+        both = [(S, m) for S in timed for m in ("off", self.settings.spec_mode)]  # interleaved: aside and full
         med = self._medians(lambda i: round_(*both[i]), range(len(both)))
         bucket = {S: min(t for t in timed if t >= S) for S in seqs}
         alone = {S: med[both.index((bucket[S], "off"))] for S in seqs}
-        full = {S: med[both.index((bucket[S], self.cfg.spec_mode))] for S in seqs}
+        full = {S: med[both.index((bucket[S], self.settings.spec_mode))] for S in seqs}
         fwd_s = round_seconds_by_tokens(sizes, Q, alone)
         draft_s = {S: max(full[S] - alone[S], 0.0) for S in range(1, N + 1)}
         self.runner.reset_slot(scratch)
@@ -131,7 +131,7 @@ class StepProfiler:
     def save(self, cost: StepCost) -> None:
         """The profile to sps_path or the state directory (`Settings.sps_file`), never elsewhere:
         written beside and renamed, so a server starting meanwhile reads a whole file or none."""
-        path = self.cfg.sps_file
+        path = self.settings.sps_file
         if not path:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
