@@ -774,39 +774,3 @@ def test_auto_complete_adds_only_what_is_missing():
     assert c.policy == {"decoupled": True} and c.batch == 0
     assert [i["name"] for i in c.d["input"]] == list(triton_io.INPUT_NAMES)
     assert [o["name"] for o in c.d["output"]] == [o[0] for o in triton_io.OUTPUTS]
-
-
-# ---- perf/run_perf_analyzer.py: the tables from a profile export ------------------------------
-def test_perf_summary_of_a_profile_export():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_perf_analyzer", REPO / "perf" / "run_perf_analyzer.py")
-    perf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(perf)
-    ms = 1_000_000  # export timestamps are nanoseconds
-
-    def out(n, drafted=0, accepted=0):
-        return {"num_output_tokens": n, "num_drafted_tokens": drafted, "num_accepted_tokens": accepted}
-
-    exp = {"experiment": {"mode": "concurrency", "value": 2}, "requests": [
-        # TTFT 100 ms; then 1 token after 50 ms, 3 tokens (a DSpark chunk) after 90 ms.
-        {"timestamp": 0, "response_timestamps": [100 * ms, 150 * ms, 240 * ms],
-         "response_outputs": [out(1), out(1, 5, 0), out(3, 5, 2)]},
-        # TTFT 200 ms with 2 tokens at once, then 1 token after 100 ms.
-        {"timestamp": 10 * ms, "response_timestamps": [210 * ms, 310 * ms],
-         "response_outputs": [out(2), out(1, 5, 1)]},
-        {"timestamp": 20 * ms, "response_timestamps": [], "response_outputs": []},  # never answered
-    ]}
-    r = perf.summarize_experiment(exp)
-    assert (r["concurrency"], r["requests"], r["failed"], r["tokens"]) == (2, 2, 1, 8)
-    assert r["ttft_s"][50] == pytest.approx(0.150) and r["ttft_s"][90] == pytest.approx(0.190)
-    # ITL samples: 50, 30, 30, 30 (request 1); 0, 100 (request 2) ms. Sorted 0 30 30 30 50 100:
-    # p50 at rank 2.5 -> 30, p99 at rank 4.95 -> 50 + 0.95 * 50.
-    assert r["itl_s"][50] == pytest.approx(0.030) and r["itl_s"][99] == pytest.approx(0.0975)
-    assert r["tok_per_s"] == pytest.approx(8 / 0.310)
-    # per request (tokens - 1) / (last - first response): 4 / 0.140 and 2 / 0.100.
-    assert r["tok_per_s_per_req"][50] == pytest.approx((4 / 0.140 + 2 / 0.100) / 2)
-    assert (r["drafted"], r["accepted"]) == (15, 3)
-    table = perf.format_table([r])
-    assert "150.0/190.0/199.0" in table and "3/15 (20%)" in table and "(1 failed)" in table
-    assert perf.parse_levels("1:8:2") == [1, 3, 5, 7] and perf.parse_levels("1,2,4") == [1, 2, 4]
