@@ -83,7 +83,9 @@ def num(v, fmt="{:.2f}"):
 errors = avg("error_request_count")
 if errors is None:  # no error metric: count the summary's entries
     errors = sum(int(e.get("count", 1)) for e in d.get("error_summary") or [])
+print(f"[run_aiperf] export: {sys.argv[1]}")
+# the last line, exactly as issue 34 gives it (other tools read it)
 print(f"aiperf: ttft_ms={num(avg('time_to_first_token', 'ms'))} itl_ms={num(avg('inter_token_latency', 'ms'))} "
       f"output_tok_s={num(avg('output_token_throughput'))} requests={num(avg('request_count'), '{:.0f}')} "
-      f"errors={int(errors)} export={sys.argv[1]}")
+      f"errors={int(errors)}")
 PY
