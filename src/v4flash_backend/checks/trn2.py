@@ -42,6 +42,8 @@ import torch
 
 from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
+from v4flash_backend.ops import kernel_ops
+from v4flash_backend.trn2.launch import FP8_FLAG
 
 from .command import run_check, standalone
 from .dtypes import _flat, _op_name, _tensors, _val, dtype_problems
@@ -51,15 +53,10 @@ from .dtypes import _flat, _op_name, _tensors, _val, dtype_problems
 # also not the CPU, and FakeTensorMode raises alike when a CPU tensor meets it. (release-check's
 # meta trace hides CPU factories with set_default_device("meta"); here no default device is set.)
 FAKE_DEVICE = torch.device("cuda", 0) if torch.backends.cuda.is_built() else torch.device("meta")
-KERNEL_NAMESPACE = "v4flash"  # the ops helper registers every NKI kernel as torch.ops.v4flash.*
 
 # the dtype rule (no float64; int64 values that may pass 2^31): `dtypes.dtype_problems`, documented there
 _HOST_READ_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique",
                   "_unique2", "unique_consecutive", "unique_dim", "bincount", "argwhere"}
-
-
-def _namespace(target) -> str:
-    return getattr(target, "namespace", "") or getattr(getattr(target, "_schema", None), "name", "::").split("::")[0]
 
 
 def off_device(gm, device=FAKE_DEVICE) -> list[str]:
@@ -76,7 +73,7 @@ def off_device(gm, device=FAKE_DEVICE) -> list[str]:
 
 
 def kernel_nodes(gm) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and _namespace(n.target) == KERNEL_NAMESPACE)
+    return sum(kernel_ops.kernel_nodes(gm).values())
 
 
 def graph_host_reads(gm) -> int:
@@ -329,7 +326,6 @@ def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=N
 
 # ---- the launch environment -------------------------------------------------------------------------
 TRN2_PHYSICAL_CORES = 128  # a trn2.48xlarge: 16 chips x 8 NeuronCores (LNC=2: 64 logical ones)
-FP8_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
 
 
 def env_problems(env: dict, lnc: int, local_rank: int) -> list[str]:

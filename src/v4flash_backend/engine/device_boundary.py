@@ -5,10 +5,9 @@ below both (the engine's runner counts its own syncs; trn2 checks its graphs wit
 from __future__ import annotations
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
 from torch.overrides import TorchFunctionMode
 
-from v4flash_backend.ops.kernel_ops import NAMESPACE as KERNEL_NAMESPACE
+from v4flash_backend.ops.kernel_ops import kernel_op_name as _kernel_op  # a kernel op is one call
 
 # ---- host-sync detection ------------------------------------------------------------------------
 # Tensor methods / torch functions that read device values on the host (or whose output shape
@@ -16,15 +15,6 @@ from v4flash_backend.ops.kernel_ops import NAMESPACE as KERNEL_NAMESPACE
 _SYNC_NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
                          "numpy", "cpu", "nonzero", "argwhere", "unique", "unique_consecutive",
                          "masked_select", "__repr__", "__format__", "bincount"})
-
-
-def _kernel_op(func) -> str | None:
-    """The name of a kernel custom op (`torch.ops.v4flash.<name>`, see ops.kernel_ops), else None."""
-    if isinstance(func, OpOverload) and func.namespace == KERNEL_NAMESPACE:
-        return func._schema.name.split("::")[1]
-    if isinstance(func, OpOverloadPacket) and func._qualified_op_name.startswith(KERNEL_NAMESPACE + "::"):
-        return func._qualified_op_name.split("::")[1]
-    return None
 
 
 class HostSyncCounter(TorchFunctionMode):

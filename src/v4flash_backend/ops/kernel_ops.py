@@ -237,20 +237,26 @@ def op(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
+def kernel_op_name(target) -> str | None:
+    """The op name when `target` (a called function, an FX node target) is one of these ops (an
+    OpOverload or OpOverloadPacket of `v4flash`), else None: the one test the host-sync counter, the
+    graph counts and trn2-check share."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE:
+        return target._schema.name.split("::")[1]
+    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith(NAMESPACE + "::"):
+        return target._qualified_op_name.split("::")[1]
+    return None
+
+
 def is_kernel_target(target) -> bool:
-    """Whether an FX node target is one of these ops (an OpOverload or OpOverloadPacket of `v4flash`)."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace == NAMESPACE
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0] == NAMESPACE
-    return False
+    return kernel_op_name(target) is not None
 
 
 def kernel_nodes(gm) -> dict[str, int]:
     """{op name: count} of the kernel op nodes of a captured FX graph."""
     found: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and is_kernel_target(node.target):
-            name = str(node.target).split(".")[1]
+        name = kernel_op_name(node.target) if node.op == "call_function" else None
+        if name is not None:
             found[name] = found.get(name, 0) + 1
     return found
