@@ -90,7 +90,9 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         assert got == want and len(got) == 12, (mode, T)
         assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] >= 2
         assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
-        assert est["host_syncs_per_step"] > 10  # the eager forward's syncs are seen (not a vacuous counter)
+        # the eager step's host reads are seen (not a vacuous counter): its tokens' id range, the
+        # engine's sampling and acceptance (the forward itself reads little since issue 30)
+        assert est["host_syncs_per_step"] > 2
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
 
 

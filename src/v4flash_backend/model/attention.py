@@ -1,10 +1,12 @@
 """V4.1 attention: sliding window + shared compressed KV (CSA2) + two-level indexer + sink.
 
-Works on a flattened step input: rows of several sequences (Segments), each extending its own
-cache from an arbitrary start. Prefill (start 0), decode (n = 1) and speculative verify (n = 1 +
-drafts) are the same code path. The layouts of the attention slots follow the reference exactly
-(window slots ascending by position, -1 at the end in a chunk from position 0 and at the front in a
-single-token step), because the 64-slot online softmax rounds probabilities per block.
+Works on a flattened step input: rows of several sequences, each extending its own cache from an
+arbitrary start, described by `geometry.Geometry`s (one per eager Segment, or one static bucket).
+Prefill (start 0), decode (n = 1) and speculative verify (n = 1 + drafts) are the same code path,
+eager and in the static graphs (`attend`). The layouts of the attention slots follow the reference
+exactly (window slots ascending by position, -1 at the end in a chunk from position 0 and at the
+front in a single-token step; any extra -1 slots after everything), because the 64-slot online
+softmax rounds probabilities per block.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from .state import ModelState
 from .weights import linear
 
 
-# ---- per-op helpers shared by the eager forward (below), the static decode step
-# (trn2/static_step.py) and the DSpark stages (dspark.py): one definition of each computation, so
-# a change to attention is made once; the callers differ only in how they gather and scatter rows.
+# ---- per-op helpers shared by `attend` (the eager forward's and the static decode step's) and the
+# DSpark stages (dspark.py): one definition of each computation, so a change is made once.
 def query(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor, rope, positions: torch.Tensor):
     """(qr [T, q_lora] (the indexer's input too), q [T, H, hd] with RoPE) of attention prefix p."""
     qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], cfg.norm_eps)
