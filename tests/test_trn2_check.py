@@ -121,16 +121,16 @@ def test_a_cpu_factory_in_the_step_fails_device_clean(monkeypatch):
 
 
 def test_a_float64_op_in_the_step_fails_dtype_ok(monkeypatch):
-    from v4flash_backend.trn2 import static_step
+    from v4flash_backend.model import transformer
 
-    orig = static_step.stream_mean
-    monkeypatch.setattr(static_step, "stream_mean", lambda h: orig(h.double()).to(h.dtype))
+    orig = transformer.stream_mean
+    monkeypatch.setattr(transformer, "stream_mean", lambda h: orig(h.double()).to(h.dtype))
     _, _, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     (g,) = [g for g in graphs if g.name.startswith("forward")]
     assert g.device_clean
     assert any("float64" in d for d in g.dtype_bad)
-    monkeypatch.setattr(static_step, "stream_mean", orig)
+    monkeypatch.setattr(transformer, "stream_mean", orig)
     _, _, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     (g,) = [g for g in graphs if g.name.startswith("forward")]

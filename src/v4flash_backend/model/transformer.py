@@ -183,14 +183,29 @@ class V41Model:
             state.check_fits(seg)
         lo, hi = self.stage
         dev = tokens.device
-        # the step's index tensors on its device, one geometry per segment (built once, every layer
-        # reads them), and RoPE tables covering its positions (no host read of positions)
+        if tokens.device.type == "cpu" and any(lo <= i < hi for i in cfg.engram_layer_ids):
+            self.hasher.compress(tokens)  # host ids: refuse out-of-range ones (the engine checks a device step's)
+        # the step's index tensors on its device, one geometry per segment, and RoPE tables covering
+        # its positions (no host read of positions)
         geos = step_geometries(segs, cfg.window_size, dev)
-        positions = torch.cat([g.flat_pos for g in geos])
         end = max(s.end for s in segs)
         ropes = {i: TableRope(self.ropes[i], end) for i in range(lo, hi)}
+        return self.run(state, tokens, geos, ropes, _rows(logits_rows, segs, dev), want_taps, captures)
+
+    def run(self, state: ModelState, tokens: torch.Tensor, geos: list[Geometry], ropes: dict, rows,
+            want_taps: bool = False, captures: dict | None = None, moe_form: str | None = None,
+            split_rows: bool = True) -> StepOutput:
+        """The step over geometries: tokens [T] (the geometries' rows, in order); ropes {layer: Rope}
+        (`TableRope`s: no host read of positions); rows: the rows to compute logits of (a LongTensor,
+        a slice, or None). The static decode step calls it with one bucket geometry, moe_form 'all'
+        and split_rows False (no sequence-parallel row split inside a graph)."""
+        cfg = self.cfg
+        lo, hi = self.stage
+        positions = torch.cat([g.flat_pos for g in geos]) if len(geos) > 1 else geos[0].flat_pos
         eng = [i for i in cfg.engram_layer_ids if lo <= i < hi]
-        hashes = self.engram_hashes(state, tokens, segs, geos) if eng else None
+        hashes = None
+        if eng:
+            hashes = torch.cat([self.geometry_hashes(state, tokens[g.off:g.off + g.S * g.Q], g) for g in geos])
         taps = []
         if lo == 0:
             h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
@@ -200,8 +215,9 @@ class V41Model:
             h, pre_mix, t_in = self.comm.stage_recv(len(tokens), n_in)
             if t_in is not None:
                 taps.append(t_in)
-        shared = [dict() for _ in segs]
-        sp = self.comm.sp_begin(len(tokens))  # sequence parallel: per-token work on rows [a, b) only
+        shared = [dict() for _ in geos]
+        # sequence parallel: per-token work on rows [a, b) only
+        sp = self.comm.sp_begin(len(tokens)) if split_rows else None
         try:
             if sp is not None:
                 h, pre_mix = h[sp[0]:sp[1]], pre_mix[sp[0]:sp[1]]
@@ -214,19 +230,19 @@ class V41Model:
                 cap = captures.setdefault(i, {}) if captures is not None else None
                 if cap is not None:
                     cap.update(x_in=h, pre_mix_in=pre_mix)
-                h, pre_mix = self.block(i, h, pre_mix, segs, state, shared, positions, cap, geos, ropes[i])
+                h, pre_mix = self.block(i, h, pre_mix, None, state, shared, positions, cap, geos, ropes[i], moe_form)
                 if cap is not None:
                     cap["shared"] = [dict(s) for s in shared]
             if sp is not None:  # full rows again before the head or a stage boundary (never send a shard)
                 h, pre_mix = self.comm.sp_full(h), self.comm.sp_full(pre_mix)
                 new_taps = [self.comm.sp_full(torch.cat(new_taps, dim=-1))] if new_taps else []
         finally:
-            self.comm.sp_end()
+            if split_rows:
+                self.comm.sp_end()
         taps += new_taps
         if hi < cfg.n_layers:  # not the last stage: hand over, nothing to return
             self.comm.stage_send(h, pre_mix, torch.cat(taps, dim=-1) if taps else None)
             return StepOutput(None, None, None)
-        rows = _rows(logits_rows, segs, h.device)
         logits = hidden = None
         if rows is not None:
             logits, hidden = self.head_logits(h[rows], pre_mix[rows])

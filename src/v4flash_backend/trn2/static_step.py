@@ -27,17 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from v4flash_backend import ops
 from v4flash_backend.engine.device_boundary import (  # noqa: F401  (re-exported)
     _SYNC_NAMES,
     BoundarySpy,
     HostSyncCounter,
     graph_host_syncs,
 )
-from v4flash_backend.model.ffn import engram
 from v4flash_backend.model.geometry import masked_put, step_geometry  # noqa: F401  (masked_put re-exported)
 from v4flash_backend.model.rope import TableRope
-from v4flash_backend.model.transformer import first_pre_mix, stream_mean
 
 
 # ---- buckets -------------------------------------------------------------------------------------
@@ -149,23 +146,11 @@ class StaticDecoder:
         start + n <= ctx for every real sequence. Returns (logits [S*Q, V] f32, taps [S*Q, taps*D]
         bf16, or None without DSpark). Rows i >= n[s] are padding: their outputs are garbage and they
         write nothing."""
-        cfg, m = self.cfg, self.m
+        cfg = self.cfg
         geo = step_geometry(slot, start, n, tokens.shape[1], cfg.window_size, ctx)
-        tok = tokens.reshape(-1).long()
-        hashes = m.geometry_hashes(self.state, tok, geo) if cfg.engram_layer_ids else None
-        h = ops.hc_expand(m.embed(tok), cfg.hc_mult)
-        pre_mix = first_pre_mix(h)
-        shared = [{}]
-        taps = []
-        for i in range(cfg.n_layers):
-            if i in cfg.engram_layer_ids:
-                h = engram(m.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], m.comm)
-            if i in cfg.dspark_target_layer_ids:
-                taps.append(stream_mean(h))
-            h, pre_mix = m.block(i, h, pre_mix, None, self.state, shared, geo.flat_pos, geos=[geo],
-                                 rope=self.ropes[i], moe_form="all")
-        logits, _ = m.head_logits(h, pre_mix)
-        return logits, (torch.cat(taps, dim=-1) if taps else None)
+        out = self.m.run(self.state, tokens.reshape(-1).long(), [geo], self.ropes, slice(None),
+                         want_taps=bool(cfg.dspark_target_layer_ids), moe_form="all", split_rows=False)
+        return out.logits, out.taps
 
     # ---- the DSpark graph -----------------------------------------------------------------------------
     def draft(self, taps: torch.Tensor, commit: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
