@@ -270,7 +270,8 @@ def test_nki_device_args_pass_resident_tensors_and_count_copies(monkeypatch):
 def test_generate_step_report_lines(golden_dir, tmp_path):
     """`generate --step-report`: the last two stdout lines are exactly `ids: ...` and `step-report: ...`;
     static at W = 1 (through the rank group) gives the eager ids at T = 0.8 with a seed and a shared
-    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 10 syncs)."""
+    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 2 syncs: the
+    eager step's id check, sampling and acceptance reads)."""
     import re
     from pathlib import Path
 
@@ -291,7 +292,7 @@ def test_generate_step_report_lines(golden_dir, tmp_path):
     e, s = lines["eager"][1], lines["static"][1]
     assert e.group(2) == s.group(2) and int(s.group(2)) > 0
     assert float(s.group(3)) == 2 and float(s.group(4)) == 0
-    assert float(e.group(3)) == 0 and float(e.group(4)) > 10
+    assert float(e.group(3)) == 0 and float(e.group(4)) > 2
 
 
 def _cli(args, cwd):
