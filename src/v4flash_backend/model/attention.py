@@ -107,7 +107,7 @@ def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geom
     p = f"layers.{layer}.attn.compressor"
     S, Q = geo.S, geo.Q
     if r == 1:
-        return compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, geo.valid
+        return compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, None if geo.host else geo.valid
     kv, score = compressor_rows(W, p, x)
     ring, sring, R = state.pend_kv[layer], state.pend_score[layer], state.pend_ring[layer]
     # the rows of the open group before the step (positions g0 .. start-1, from the pending ring,
@@ -120,10 +120,17 @@ def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geom
     keep = last_rows(geo, R)
     masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), keep)
     masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), keep)
-    G = -(-Q // r)  # Q rows complete at most ceil(Q / r) groups
-    j = torch.arange(G, device=dev)
+    if geo.host is not None:  # the groups this segment completes (maybe none)
+        s, n = geo.host
+        G, gvalid = (s + n) // r - s // r, None
+        if G == 0:
+            return None, None, None
+        j = torch.arange(G, device=dev)
+    else:
+        G = -(-Q // r)  # Q rows complete at most ceil(Q / r) groups
+        j = torch.arange(G, device=dev)
+        gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
     gids = (geo.start // r)[:, None] + j
-    gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
     gp = gids[:, :, None] * r + torch.arange(r, device=dev)  # [S, G, r] positions of each group's rows
     st0 = geo.start[:, None, None]
     idx = torch.where(gp < st0, gp - g0[:, None, None], (r - 1) + gp - st0).clamp(0, r - 2 + Q)
@@ -170,7 +177,8 @@ def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geome
     if latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
         k = index_keys(W, cfg, p, latent.flatten(0, 1), rope, (gids * r).flatten())
         masked_put(state.ik[layer], geo.slot[:, None], gids, k.view(gids.shape + (-1,)), gvalid)
-        state.ik_last[geo.slot] = torch.where(gvalid.any(-1), layer, state.ik_last[geo.slot])
+        state.ik_last[geo.slot] = layer if gvalid is None else torch.where(gvalid.any(-1), layer,
+                                                                           state.ik_last[geo.slot])
     if state.reference_quirks:
         # The reference reads whichever index-key cache was published LAST: in a decode step where a
         # ratio > 1 source completes no group, that is another source's cache (usually the ratio-1
@@ -215,7 +223,13 @@ def attend(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geomet
         comp = state.ckv[src][:, :geo.ctx // ratio][geo.slot]  # [S, C, hd]
         span = kv_all.shape[1]
         kv_all = torch.cat([kv_all, comp], dim=1)
-        idx = join_slots(geo.widx, torch.where(cidx >= 0, cidx + span, -1), geo.width)
+        cidx = torch.where(cidx >= 0, cidx + span, -1)
+        if geo.host is not None:  # the width is a Python value: the reference's slot list as it is
+            s, n = geo.host
+            w = cfg.window_size if (n == 1 and s > 0) else min(s + n, cfg.window_size)
+            idx = torch.cat([geo.widx[..., :w], cidx], dim=-1)
+        else:
+            idx = join_slots(geo.widx, cidx, geo.width)
     o = ops.sparse_attn(q.view(geo.S, geo.Q, -1, hd), kv_all, W[p + ".attn_sink"], idx.int(), hd ** -0.5)
     return o.flatten(0, 1)
 

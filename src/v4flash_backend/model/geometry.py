@@ -34,10 +34,14 @@ class Geometry:
     widx: torch.Tensor  # [S, Q, window] window slots (indices into the span, -1 = none)
     width: torch.Tensor  # [S] the eager layout's window width (slots after it are padding)
     off: int = 0  # first row of this geometry in the step's flattened rows (eager segments)
+    # (start, n) as Python values when the step knows them (an eager segment: S = 1, every row
+    # valid): writes that are all valid skip the mask, the compressor pools only the groups the
+    # segment completes, and the slot list has no padding columns -- the same values, less work
+    host: tuple[int, int] | None = None
 
 
 def step_geometry(slot: torch.Tensor, start: torch.Tensor, n: torch.Tensor, Q: int, window: int, ctx: int,
-                  off: int = 0) -> Geometry:
+                  off: int = 0, host: tuple[int, int] | None = None) -> Geometry:
     """The geometry of S sequences (slot/start/n [S] int64, on the state's device) of Q rows."""
     S, dev = slot.shape[0], slot.device
     ar = torch.arange(Q, device=dev)
@@ -57,24 +61,27 @@ def step_geometry(slot: torch.Tensor, start: torch.Tensor, n: torch.Tensor, Q: i
     chk_idx = torch.where(chk > t, -1, chk - span0[:, None, None])
     widx = torch.where(single[:, None, None], dec_idx, chk_idx)
     width = torch.where(single, window, (start + n).clamp_max(window))
-    return Geometry(S, Q, ctx, slot, start, n, pos, valid, pos.reshape(-1), span_pos, widx, width, off)
+    return Geometry(S, Q, ctx, slot, start, n, pos, valid, pos.reshape(-1), span_pos, widx, width, off, host)
 
 
 def segment_geometry(seg: Segment, window: int, device) -> Geometry:
     """One eager segment as a geometry of one sequence whose rows are all valid (ctx = its end)."""
     t = torch.tensor([seg.slot, seg.start, seg.n], dtype=torch.long, device=device)
-    return step_geometry(t[0:1], t[1:2], t[2:3], seg.n, window, seg.end, seg.off)
+    return step_geometry(t[0:1], t[1:2], t[2:3], seg.n, window, seg.end, seg.off, (seg.start, seg.n))
 
 
 def masked_put(buf: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor, val: torch.Tensor,
-               valid: torch.Tensor) -> None:
+               valid: torch.Tensor | None) -> None:
     """buf[slot, idx] = val where valid, with no host read and no spare slot.
 
     Valid entries never share a target (the callers' invariant). Every invalid entry is redirected
     to the first valid entry's target and writes that entry's value, so duplicate targets all carry
     the same value and the result does not depend on the scatter's order; when no entry is valid
     each writes back the value read at its own target. slot broadcasts against idx; val is idx's
-    shape plus buf's trailing dims."""
+    shape plus buf's trailing dims. valid None: every entry is valid."""
+    if valid is None:
+        buf[slot, idx] = val.to(buf.dtype)
+        return
     slot, idx = torch.broadcast_tensors(slot, idx)
     trail = val.shape[idx.dim():]
     s, i, ok = slot.reshape(-1), idx.reshape(-1), valid.expand(idx.shape).reshape(-1)
@@ -91,7 +98,10 @@ def masked_put(buf: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor, val: to
 
 def last_rows(geo: Geometry, R: int) -> torch.Tensor:
     """The valid rows a ring of R rows keeps: the last R of each sequence's step (all of them in a
-    decode step; a long prefill chunk would otherwise write several rows into one ring slot)."""
+    decode step; a long prefill chunk would otherwise write several rows into one ring slot).
+    None when that is every row (an eager segment of at most R rows)."""
+    if geo.host is not None and geo.Q <= R:
+        return None
     return geo.valid & (geo.pos >= (geo.start + geo.n)[:, None] - R)
 
 
