@@ -29,6 +29,8 @@ LOGPROB_WIDTH = 20
 
 
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if isinstance(value, (int, float, bool)):  # a fill: as_tensor on a device would copy from the host
+        return torch.full((n,), value, dtype=dtype, device=device)
     t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.dim() == 0:
         t = t.expand(n).clone()

@@ -130,12 +130,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: tor
         return _sparse_attn_exact(q, kv, sink, idxs, scale)
     b, m, h, d = q.shape
     k = idxs.shape[-1]
-    sc = torch.tensor(scale, dtype=torch.float32)
+    dev = q.device  # every tensor made here follows the inputs (a device-resident runner)
+    sc = torch.tensor(scale, dtype=torch.float32)  # 0-dim: a scalar operand on any device
     qf, kvf = q.float(), kv.float()
-    acc = torch.zeros(b, m, h, d, dtype=torch.float32)
-    denom = torch.zeros(b, m, h, dtype=torch.float32)
-    run_max = torch.full((b, m, h), -1e30, dtype=torch.float32)  # finite: empty rows give 0, not NaN
-    bidx = torch.arange(b).view(b, 1, 1)
+    acc = torch.zeros(b, m, h, d, dtype=torch.float32, device=dev)
+    denom = torch.zeros(b, m, h, dtype=torch.float32, device=dev)
+    run_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=dev)  # finite: empty rows give 0, not NaN
+    bidx = torch.arange(b, device=dev).view(b, 1, 1)
     for t in range(0, k, _SPARSE_BLOCK):
         ix = idxs[:, :, t:t + _SPARSE_BLOCK].long()
         valid = ix >= 0
@@ -180,18 +181,19 @@ def _sparse_attn_exact(q, kv, sink, idxs, scale):
         g = ix.clamp_min(0).unsqueeze(2).expand(b, m, h, k)
         s = torch.einsum("bmhd,bnd->bmhn", q.double(), kvd).gather(-1, g) * sc
     else:
-        bidx = torch.arange(b).view(b, 1, 1)
+        bidx = torch.arange(b, device=q.device).view(b, 1, 1)
         blk = kv[bidx, ix.clamp_min(0)].double() * valid.unsqueeze(-1)
         s = torch.einsum("bmhd,bmkd->bmhk", q.double(), blk) * sc
     s = torch.where(valid.unsqueeze(2), s, -torch.inf)
-    mx = torch.full((b, m, h), -1e30, dtype=torch.float64)
+    mx = torch.full((b, m, h), -1e30, dtype=torch.float64, device=q.device)
     if s.shape[-1]:
         mx = torch.maximum(mx, s.amax(-1))
     p = torch.exp(s - mx.unsqueeze(-1))
     denom = p.sum(-1) + torch.exp(sink.double() - mx)
     pb = p.to(torch.bfloat16).double()
     if dense:  # p back onto the bank's slots (added: a slot listed twice counts twice, as gathered)
-        o = torch.einsum("bmhn,bnd->bmhd", torch.zeros(b, m, h, n, dtype=torch.float64).scatter_add_(-1, g, pb), kvd)
+        pn = torch.zeros(b, m, h, n, dtype=torch.float64, device=q.device).scatter_add_(-1, g, pb)
+        o = torch.einsum("bmhn,bnd->bmhd", pn, kvd)
     else:
         o = torch.einsum("bmhk,bmkd->bmhd", pb, blk)
     return (o / denom.unsqueeze(-1)).to(torch.bfloat16)
