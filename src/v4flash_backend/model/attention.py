@@ -93,18 +93,19 @@ def window_slots(state: ModelState, layer: int, seg: Segment, kv_new: torch.Tens
     ring = state.window[layer]
     R = ring.shape[1]
     lo = max(0, s - window + 1)
-    old = ring[seg.slot, torch.arange(lo, s) % R]
+    dev = kv_new.device  # every index follows the rows (a device-resident state)
+    old = ring[seg.slot, torch.arange(lo, s, device=dev) % R]
     local = torch.cat([old, kv_new], dim=0)
-    t = torch.arange(s, s + n).unsqueeze(1)
+    t = torch.arange(s, s + n, device=dev).unsqueeze(1)
     if s > 0 and n == 1:  # a decode step: the whole ring, oldest first, unfilled slots first
-        pos = t - window + 1 + torch.arange(window)
+        pos = t - window + 1 + torch.arange(window, device=dev)
         idx = torch.where(pos < 0, -1, pos - lo)
     else:
         width = min(s + n, window)
-        pos = (t - window + 1).clamp_min(0) + torch.arange(width)
+        pos = (t - window + 1).clamp_min(0) + torch.arange(width, device=dev)
         idx = torch.where(pos > t, -1, pos - lo)
     keep = min(n, R)
-    ring[seg.slot, torch.arange(s + n - keep, s + n) % R] = kv_new[n - keep:]
+    ring[seg.slot, torch.arange(s + n - keep, s + n, device=dev) % R] = kv_new[n - keep:]
     return local, idx.int()
 
 
@@ -114,25 +115,26 @@ def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segm
     r = cfg.compress_ratios[layer]
     p = f"layers.{layer}.attn.compressor"
     s, n = seg.start, seg.n
+    dev = x.device
     if r == 1:
-        return compressor_latent_r1(W, cfg, p, x), torch.arange(s, s + n)
+        return compressor_latent_r1(W, cfg, p, x), torch.arange(s, s + n, device=dev)
     kv, score = compressor_rows(W, p, x)
     ring, R = state.pend_kv[layer], state.pend_ring[layer]
     sring = state.pend_score[layer]
     g0 = (s // r) * r
     if s > g0:  # the partial group carried over from earlier steps
-        prev = torch.arange(g0, s) % R
+        prev = torch.arange(g0, s, device=dev) % R
         kv = torch.cat([ring[seg.slot, prev], kv])
         score = torch.cat([sring[seg.slot, prev], score])
     keep = min(n, R)
-    new_rows = torch.arange(s + n - keep, s + n) % R
+    new_rows = torch.arange(s + n - keep, s + n, device=dev) % R
     ring[seg.slot, new_rows] = kv[kv.shape[0] - keep:]
     sring[seg.slot, new_rows] = score[score.shape[0] - keep:]
     ng = (s + n) // r - s // r
     if ng == 0:
         return None, None
     lat = pooled_latent(W, cfg, p, kv[: ng * r].unflatten(0, (ng, r)), score[: ng * r].unflatten(0, (ng, r)))
-    return lat, torch.arange(s // r, s // r + ng)
+    return lat, torch.arange(s // r, s // r + ng, device=dev)
 
 
 def topk_idx(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -177,11 +179,11 @@ def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segme
         # the default reads this layer's own source, which keeps decode equal to a prefill recompute.
         src = int(state.ik_last[seg.slot])
     if clen == 0:
-        return torch.empty(n, 0, dtype=torch.int32)
-    q, w = index_query(W, cfg, p, x, qr, rope, torch.arange(s, s + n))
+        return torch.empty(n, 0, dtype=torch.int32, device=x.device)
+    q, w = index_query(W, cfg, p, x, qr, rope, torch.arange(s, s + n, device=x.device))
     keys = state.ik[src][seg.slot, :clen]
     score = comm.index_scores(q.unsqueeze(0), keys.unsqueeze(0), w.unsqueeze(0))[0]
-    clens = (torch.arange(s + 1, s + n + 1) // r).unsqueeze(-1)
+    clens = (torch.arange(s + 1, s + n + 1, device=x.device) // r).unsqueeze(-1)
     return pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, clen)).int()
 
 

@@ -90,8 +90,9 @@ class DSparkDrafter:
         _, q = query(W, cfg, p, x, rope, positions)
         kv = window_kv(W, cfg, p, x, rope, positions)
         R = len(items)
-        slots = torch.tensor([slot for slot, _, _ in items])
-        last = torch.tensor([pos for _, pos, _ in items])
+        dev = x.device
+        slots = torch.tensor([slot for slot, _, _ in items], device=dev)
+        last = torch.tensor([pos for _, pos, _ in items], device=dev)
         # one attention call over every block (it was one per block: about a fifth of a batch-8
         # draft's time went to their per-call cost); the slot lists keep each block's own order
         bank = torch.cat([state.dspark[k][slots], kv.view(R, B, -1)], dim=1)  # [R, win + B, hd]
@@ -104,11 +105,12 @@ class DSparkDrafter:
         """items: [(slot, p, anchor_id)] where p is the last position whose main-KV is in the ring
         (the anchor is the token at p + 1). Returns U and the hidden rows for R = len(items)."""
         cfg, m, B = self.cfg, self.m, self.B
-        ids = torch.full((len(items), B), cfg.dspark_noise_token_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor([a for _, _, a in items])
-        positions = torch.cat([torch.arange(p + 1, p + 1 + B) for _, p, _ in items])
+        dev = state.dspark[0].device  # every tensor made here follows the state (a device-resident runner)
+        ids = torch.full((len(items), B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.tensor([a for _, _, a in items], device=dev)
+        positions = torch.cat([torch.arange(p + 1, p + 1 + B, device=dev) for _, p, _ in items])
         h = ops.hc_expand(m.embed(ids.flatten()), cfg.hc_mult)
-        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=dev)
         pre_mix[:, 0] = 1.0
         n_act = cfg.moe_shape(cfg.n_layers)[1]
         for k in range(self.n_stages):
@@ -141,7 +143,7 @@ class DSparkDrafter:
         """Left-to-right argmax with the Markov bias of each predecessor (temperature 0):
         (ids [R, B+1] starting with the anchor, corrected logits [R, B, V], confidence logits [R, B])."""
         R, B = out.base_logits.shape[:2]
-        ids = torch.empty(R, B + 1, dtype=torch.long)
+        ids = torch.empty(R, B + 1, dtype=torch.long, device=out.base_logits.device)
         ids[:, 0] = anchors
         logits = out.base_logits.clone()
         embeds = []

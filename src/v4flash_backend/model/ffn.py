@@ -74,7 +74,7 @@ def _experts_ffn(xg, rw, stacks, limit):
 
 def _dense_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
     """Every local expert on every row: [E, T, D], rows not routed to an expert exactly zero."""
-    route_w = torch.zeros(x.shape[0], n_exp + 1, dtype=torch.float32)
+    route_w = torch.zeros(x.shape[0], n_exp + 1, dtype=torch.float32, device=x.device)
     route_w.scatter_(1, torch.where(local >= 0, local, n_exp), weights)  # column n_exp: other ranks' experts
     xe = x.unsqueeze(0).expand(n_exp, -1, -1)
     return _experts_ffn(xe, route_w[:, :n_exp].T.unsqueeze(-1), stacks, limit)
@@ -86,7 +86,8 @@ def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tens
     about k / E of them), scattered back to [E, T, D] with zeros where a row was not routed."""
     T, A = local.shape
     e = local.flatten()
-    t = torch.arange(T).repeat_interleave(A)
+    dev = x.device
+    t = torch.arange(T, device=dev).repeat_interleave(A)
     w = weights.flatten()
     keep = e >= 0
     e, t, w = e[keep], t[keep], w[keep]
@@ -94,13 +95,13 @@ def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tens
     e, t, w = e[order], t[order], w[order]
     counts = torch.bincount(e, minlength=n_exp)
     M = max(1, int(counts.max()))
-    slot = torch.arange(len(e)) - (torch.cumsum(counts, 0) - counts)[e]
-    idx = torch.zeros(n_exp, M, dtype=torch.long)
-    rw = torch.zeros(n_exp, M, 1, dtype=torch.float32)
+    slot = torch.arange(len(e), device=dev) - (torch.cumsum(counts, 0) - counts)[e]
+    idx = torch.zeros(n_exp, M, dtype=torch.long, device=dev)
+    rw = torch.zeros(n_exp, M, 1, dtype=torch.float32, device=dev)
     idx[e, slot] = t
     rw[e, slot, 0] = w
     out = _experts_ffn(x[idx], rw, stacks, limit)
-    full = torch.zeros(n_exp, T, x.shape[-1], dtype=out.dtype)
+    full = torch.zeros(n_exp, T, x.shape[-1], dtype=out.dtype, device=dev)
     full[e, t] = out[e, slot]
     return full
 
@@ -132,7 +133,7 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     if capture is not None:
         capture["gate_indices"], capture["gate_weights"] = ids, weights
     experts = local_experts(W, p)
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train") and len(experts) > 1
             and x.shape[0] * len(experts) <= BATCHED_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
         # exact numerics make each (row, expert) result independent of which rows share the call,
@@ -140,8 +141,8 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         # expert-id order); a zero routing weight gives an exact zero output
         stacks = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
-                          cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long)
-        col[torch.tensor(experts)] = torch.arange(len(experts))
+                          cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long, device=x.device)
+        col[torch.tensor(experts)] = torch.arange(len(experts), device=x.device)
         local = col[ids]
         form = _dense_experts if x.shape[0] * len(experts) <= DENSE_MOE_MIN else _grouped_experts
         out = form(x, local, weights, len(experts), stacks, cfg.swiglu_limit)

@@ -112,11 +112,12 @@ class V41Model:
         for seg in segs:
             comp = self.hasher.compress(tokens[seg.off:seg.off + seg.n])
             lo = max(0, seg.start - (N - 1))
-            seq = torch.cat([state.engram_hist[seg.slot, torch.arange(lo, seg.start) % R], comp])
-            t = torch.arange(seg.start, seg.end).unsqueeze(1) - torch.arange(N)  # [n, N] positions
+            dev = comp.device
+            seq = torch.cat([state.engram_hist[seg.slot, torch.arange(lo, seg.start, device=dev) % R], comp])
+            t = torch.arange(seg.start, seg.end, device=dev).unsqueeze(1) - torch.arange(N, device=dev)
             win = torch.where(t >= 0, seq[(t - lo).clamp_min(0)], -1)
             keep = min(seg.n, R)
-            state.engram_hist[seg.slot, torch.arange(seg.end - keep, seg.end) % R] = comp[seg.n - keep:]
+            state.engram_hist[seg.slot, torch.arange(seg.end - keep, seg.end, device=dev) % R] = comp[seg.n - keep:]
             out.append(self.hasher.hash_windows(win))
         return torch.cat(out)
 
@@ -168,13 +169,15 @@ class V41Model:
         for seg in segs:
             state.check_fits(seg)
         lo, hi = self.stage
-        positions = torch.cat([torch.arange(s.start, s.end) for s in segs])
+        dev = state.engram_hist.device  # every tensor made here follows the state (a device-resident runner)
+        tokens = tokens.to(dev)
+        positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segs])
         eng = [i for i in cfg.engram_layer_ids if lo <= i < hi]
         hashes = self.engram_hashes(state, tokens, segs) if eng else None
         taps = []
         if lo == 0:
             h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
-            pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32)
+            pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=dev)
             pre_mix[:, 0] = 1.0
         else:  # a later pipeline stage: the previous stage's full streams, pre-mix and taps so far
             n_in = sum(1 for t in cfg.dspark_target_layer_ids if t < lo) if want_taps else 0
@@ -208,6 +211,7 @@ class V41Model:
             self.comm.stage_send(h, pre_mix, torch.cat(taps, dim=-1) if taps else None)
             return StepOutput(None, None, None)
         rows = _rows(logits_rows, segs)
+        rows = None if rows is None else rows.to(dev)
         logits = hidden = None
         if rows is not None:
             logits, hidden = self.head_logits(h[rows], pre_mix[rows])
