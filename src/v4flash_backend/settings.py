@@ -116,6 +116,11 @@ class Settings:
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
         "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
+    resident_device: str = setting(
+        "", "where a static server keeps its weights and caches (place_resident, once at load); empty: the "
+        "rank's NeuronCore with ops_backend nki, else the CPU; 'cuda' runs the static rounds with the torch "
+        "ops on an NVIDIA GPU, the stand-in accelerator of `device-standin` (checks/standin.py)",
+        scope="group")
     count_host_syncs: bool = setting(
         False, "eager decode: count the host syncs of every forward (the engine stats' "
         "host_syncs_per_step; a hook on every torch call, 30-40 % of a CPU forward; `generate "
@@ -202,6 +207,9 @@ class Settings:
         if self.pipeline_parallel > 1 and self.decode_graph_mode == "static":
             raise ValueError("setting 'pipeline_parallel' > 1 runs the eager decode path: set decode_graph eager "
                              "(the static round graphs hold the whole model)")
+        if self.resident_device not in ("", "cpu") and self.decode_graph_mode != "static":
+            raise ValueError(f"setting 'resident_device' {self.resident_device!r} places the static path's weights "
+                             "and caches: set decode_graph static")
         if not self.heartbeat_s < self.collective_timeout_s / 2:
             raise ValueError("setting 'heartbeat_s' must be below half of collective_timeout_s "
                              "(idle followers wait for it)")
