@@ -287,5 +287,11 @@ def main(argv=None) -> int:
                                            "trn2 dtypes, kernel nodes, host reads; the Neuron launch environment")
     trn2.add_arguments(tc)
     tc.set_defaults(fn=trn2.main)
+    from v4flash_backend.checks import standin
+
+    sd = sub.add_parser("device-standin", help="the served static path on a stand-in accelerator (a GPU): no host "
+                                               "sync inside a step, no weight or cache copy, the CPU eager ids")
+    standin.add_arguments(sd)
+    sd.set_defaults(fn=standin.main)
     args = ap.parse_args(argv)
     return args.fn(args)
