@@ -385,3 +385,36 @@ def test_bench_prefix_cache_ends_with_its_summary_line():
     assert re.fullmatch(rf"prefix-cache: shared_tokens=24 ttft_off_ms={num} ttft_on_ms={num} ttft_speedup={num} "
                         rf"hit_rate={num} same_tokens=(yes|no)", last), last
     assert last.endswith("same_tokens=yes")  # the cache never changes a request's tokens
+
+
+# ---- the trn2 arithmetic -----------------------------------------------------------------------
+def test_placement_prefix_bytes_are_what_a_snapshot_holds(tiny_model):
+    """parallel.placement.prefix_cache_bytes (the trn2 figures of `v4flash_backend placement`) counts
+    what model.snapshot keeps: an entry 32 tokens after its parent, past the window, at a boundary
+    p = 64 (a continuation from p - 1 = 63 reads the pending rows 62, 63: r rows, the most it holds)."""
+    from v4flash_backend.model.state import ModelState
+    from v4flash_backend.parallel.placement import prefix_cache_bytes
+
+    cfg = tiny_model.cfg
+    snap = snapshot.capture(ModelState(cfg, 1, 96), 0, 64, 32)
+    assert snapshot.nbytes(snap) == prefix_cache_bytes(cfg, 32, 1)
+
+
+def test_placement_report_prints_the_prefix_cache_line(capsys):
+    import argparse
+    import re
+
+    from v4flash_backend.parallel import placement
+
+    ap = argparse.ArgumentParser()
+    placement.add_arguments(ap)
+    placement.main(ap.parse_args([]))
+    lines = capsys.readouterr().out.strip().splitlines()
+    line = next(x for x in lines if x.startswith("prefix-cache-trn2:"))
+    m = re.fullmatch(r"prefix-cache-trn2: world=64 bytes_per_token=(\d+) leftover_gib=([\d.]+) \(of 24\) "
+                     r"tokens_in_leftover=(\d+) tokens_in_default_budget=(\d+)", line)
+    assert m, line
+    per_token, left = int(m.group(1)), float(m.group(2))
+    # leftover_gib is printed to 2 decimals: tokens within that rounding (0.005 GiB) of left / per_token
+    assert abs(int(m.group(3)) - left * 2**30 / per_token) <= 0.005 * 2**30 / per_token
+    assert lines[-1].startswith("placement: world=64 ")  # the summary line stays last
