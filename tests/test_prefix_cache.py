@@ -132,7 +132,10 @@ class FakeRunner:
     """Keeps which entries exist and their byte sizes (`size` per boundary)."""
 
     def __init__(self, size=lambda p, q0: 100):
+        import types
+
         self.size, self.held, self.loads = size, {}, []
+        self.state = types.SimpleNamespace(reference_quirks=False)
 
     def save_prefix(self, slot, entry, p, q0):
         self.held[entry] = (p, q0)

@@ -74,9 +74,7 @@ class PrefixCache:
 
     @property
     def enabled(self) -> bool:
-        state = getattr(self.runner, "state", None)
-        return (self.budget > 0 and ops.get_numerics() == "exact"
-                and not getattr(state, "reference_quirks", False))
+        return self.budget > 0 and ops.get_numerics() == "exact" and not self.runner.state.reference_quirks
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, prompt: list[int]) -> Entry | None:
