@@ -421,3 +421,25 @@ def test_placement_report_prints_the_prefix_cache_line(capsys):
     # leftover_gib is printed to 2 decimals: tokens within that rounding (0.005 GiB) of left / per_token
     assert abs(int(m.group(3)) - left * 2**30 / per_token) <= 0.005 * 2**30 / per_token
     assert lines[-1].startswith("placement: world=64 ")  # the summary line stays last
+
+
+def test_a_pipeline_stage_snapshots_the_caches_it_keeps(tiny_model):
+    """A stage's trimmed state (parallel.pipeline.trim_state: its layers' caches, no DSpark rings
+    before the last stage) is captured and restored as it is: the rows of its layers come back."""
+    from v4flash_backend.model.state import ModelState
+    from v4flash_backend.parallel.pipeline import trim_state
+
+    cfg = tiny_model.cfg
+    st = trim_state(ModelState(cfg, 2, 96), 0, 5, keep_dspark=False)
+    g = torch.Generator().manual_seed(0)
+    for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score):
+        for t in d.values():
+            t[0] = torch.randn(t[0].shape, generator=g).to(t.dtype)
+    snapshot.restore(st, 1, [snapshot.capture(st, 0, 40, 0)])
+    assert set(st.window) == set(range(5)) and not st.dspark
+    for layer, t in st.window.items():  # the window rows a continuation from 39 reads: 24..39
+        pos = torch.arange(40 - cfg.window_size, 40) % t.shape[1]
+        assert torch.equal(t[1, pos], t[0, pos]), layer
+    for layer, t in st.ckv.items():
+        n = 40 // cfg.compress_ratios[layer]
+        assert torch.equal(t[1, :n], t[0, :n]) and not t[1, n:].any(), layer
