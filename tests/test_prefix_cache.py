@@ -443,3 +443,22 @@ def test_a_pipeline_stage_snapshots_the_caches_it_keeps(tiny_model):
     for layer, t in st.ckv.items():
         n = 40 // cfg.compress_ratios[layer]
         assert torch.equal(t[1, :n], t[0, :n]) and not t[1, n:].any(), layer
+
+
+def test_the_cache_is_off_under_reference_numerics_and_at_budget_0():
+    """Reference numerics make a row depend on chunking: a restored prefix would change results, so
+    the cache neither restores nor keeps entries there (nor with a budget of 0)."""
+    from v4flash_backend import ops
+
+    r = FakeRunner()
+    on = PrefixCache(r, 10_000)
+    _prefill(on, S(list(range(1, 17))), 8)
+    assert len(r.held) == 2
+    ops.set_numerics("reference")  # the autouse fixture restores the serving defaults afterwards
+    s = S(list(range(1, 17)) + [5])
+    _prefill(on, s, 8)
+    assert s.num_cached_tokens == 0 and len(r.held) == 2 and not r.loads
+    ops.set_numerics("exact")
+    off = PrefixCache(FakeRunner(), 0)
+    _prefill(off, S(list(range(1, 17))), 8)
+    assert not off.entries and off.stats()["prefix_cache_enabled"] is False
