@@ -178,6 +178,10 @@ class Settings:
     calibration_path: str = setting(
         "", "STS calibration (temperature and shift per position) of the confidence head; empty: the "
         "checkpoint's dspark_calibration.json if present", scope="engine", path=True)
+    prefix_cache_bytes: int = setting(
+        512 << 20, "prefix cache budget in bytes per rank: the state at every prefill chunk's end is kept "
+        "(least recently used entries go first) and a request starting with a cached prefix prefills only "
+        "the rest, with the same tokens (exact numerics only); 0: off", scope="engine", low=0)
     queue_timeout_s: float = setting(
         120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
         scope="engine", low=0.0)

@@ -30,6 +30,7 @@ from v4flash_backend.trn2.round_plan import STOP_WIDTH
 from .adaptive import AdaptivePolicy
 from .eager_step import EagerStep
 from .logits import LogitProcessing
+from .prefix_cache import PrefixCache
 from .round_step import StaticRoundStep
 from .runner import Runner
 from .seq import CONTEXT_IDS, KIND_OF, ON_DEVICE, STEP_KINDS, Event, Seq
@@ -76,6 +77,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self._init_stats()
         self._kind = "draft"  # the decision of the step in progress
         self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
+        self.prefix = PrefixCache(runner, self.settings.prefix_cache_bytes)
 
     @property
     def spec(self) -> bool:
@@ -200,6 +202,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
                                 error_code="UNAVAILABLE"))
         for s in new:
             self.runner.reset_slot(s.slot)
+            self.prefix.admit(s)  # the longest cached prefix of its prompt into the slot
             s.seed = int(s.req.seed) if s.req.seed is not None else int(
                 torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
             self.running.append(s)
@@ -215,7 +218,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         decode_only = not any(s.prefilling for s in self.running)
         if decode_only and self.runner.static_rounds:
             self.decode_totals["static_fallback_steps"] += 1  # a decode step the static rounds did not take
+        prefilling = self.prefix.prefilling(self.running)
         self._step_eager()
+        self.prefix.after_step(self.running, prefilling)  # entries at the prefills' new boundaries
         if decode_only:
             self._count_step(before)
         else:
@@ -235,7 +240,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             reason = "length"
         s.finish = reason
         self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),
-                                num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted,
+                                num_cached_tokens=s.num_cached_tokens, num_output_tokens=s.n_out,
+                                drafted=s.drafted, admitted=s.admitted,
                                 accepted=s.accepted, verify_steps=s.verify_steps, logprobs=logprobs))
 
     @staticmethod
@@ -249,6 +255,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self.running = [s for s in self.running if not self._done(s)]
 
     def _release(self, s: Seq) -> None:
+        self.prefix.release(s)
         with self.lock:
             self.free.append(s.slot)
             self.free.sort()
@@ -261,8 +268,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             self._release(s)
         s.finish = reason or "error"
         self._emit(s.req, Event(s.req.id, [], [], finish_reason=reason, error=error, error_code=code,
-                                num_prompt_tokens=len(s.req.prompt), num_output_tokens=s.n_out,
-                                drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
+                                num_prompt_tokens=len(s.req.prompt), num_cached_tokens=s.num_cached_tokens,
+                                num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
                                 verify_steps=s.verify_steps))
 
     def _emit(self, r: GenerateRequest, e: Event) -> None:

@@ -66,6 +66,7 @@ class EngineStats:
         d["decode_steps_by_kind"] = {k: v[0] for k, v in self.kind_totals.items()}
         d["graphs_per_step_by_kind"] = {k: v[1] / v[0] if v[0] else 0.0 for k, v in self.kind_totals.items()}
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
+        d.update(self.prefix.stats())
         if self.calib is not None:
             d.update(self.calib.stats())
         return d
