@@ -149,7 +149,9 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
             dict(temperature=0.8, seed=5, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, logprobs=2)]
 
     def serve(runner):
-        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3))
+        # step_cost_online off: both engines decide on the given cost, not on their own step timings
+        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3,
+                                      step_cost_online=False))
         out = []
         # the first request with drafting at half a forward (pays at the untrained head's c = 0.5),
         # the second at twice a forward (does not: stepped aside, with probes); graph inputs only
@@ -535,7 +537,7 @@ def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir
     cost.save(sps_path)
     params = dict(max_tokens=16, temperature=0.8, seed=3, frequency_penalty=2.0, presence_penalty=1.5,
                   min_tokens=7, logprobs=2, stop_token_ids=[16, 265])
-    adaptive = dict(dspark_adaptive=True, probe_every=3)
+    adaptive = dict(dspark_adaptive=True, probe_every=3, step_cost_online=False)  # decisions on the given cost
     g = RankGroup.launch(Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
                                   decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0,
                                   **adaptive))
