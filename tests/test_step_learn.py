@@ -261,3 +261,52 @@ def test_guard_corrects_a_deliberate_miscosting(monkeypatch):
     monkeypatch.setattr(fg, "fixed_tokens", lambda ell, n_acc, c, F: 1.0 + min(n_acc, F))
     _, _, bad = _guard_run(model, guard=True)
     assert bad.guard.floor("greedy") == 0
+
+
+def test_static_rounds_take_the_learned_cost_as_their_table_input(tiny_model):
+    """On a static runner the learner's cells are the static path's, and the rounds' admission inputs
+    (the SPS table, t_draft) become the learned cost's once a cell has its floor: same width (SPS_WIDTH
+    entries, padded), other values -- a tensor input, no new graph shape. The rounds run op by op here
+    (backend none) on an injected clock advanced by a stand-in of decode_round: 10 ms + 5 ms a sequence,
+    the profile priced at twice that (by B: the table's staircase by sequences of 1 + gamma rows); after
+    learning the inputs price the machine (tolerance 1e-9 relative: fake-clock float sums)."""
+    from v4flash_backend.engine.dspark_sched import sps_tensors
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.round_plan import SPS_WIDTH, pad_sps
+
+    sr = StaticRunner(tiny_model, 3, 96, settings=NeuronSettings(backend="none"))
+    now, plans = [0.0], []
+    real_round = sr.decode_round
+
+    def decode_round(plan):
+        plans.append(plan)
+        now[0] += 0.010 + 0.005 * len(plan.slot)
+        return real_round(plan)
+
+    sr.decode_round = decode_round
+    eng = Engine(sr, Settings(max_num_seqs=2, max_model_len=96, spec_mode="dspark", dspark_adaptive=True),
+                 clock=lambda: now[0])
+    Q = 1 + eng.gamma
+    sizes = [1, 2, Q, 2 * Q]
+    eng.cost = StepCost(SPSTable(sizes, [1.0 / (2 * (0.010 + 0.005 * -(-b // Q))) for b in sizes]), {1: 1e-4, 2: 1e-4})
+    eng._drafting_decision = lambda seqs: "draft"
+    eng.guard = None  # the table alone (the guard's floors are fixed_ell inputs: test_static_round)
+    for p in ([0, 5, 6, 7, 8], [0, 17, 230, 5]):
+        eng.submit(GenerateRequest(prompt=p, max_tokens=40, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert eng.stats()["static_steps"] > 20
+    assert eng.learner.cells and all(p == "static" for p, _, _ in eng.learner.cells)
+    learned = eng.learned_cost()
+    assert isinstance(learned, LearnedStepCost)
+    last = plans[-1]
+    assert last.sps.shape == sps_tensors(eng.cost.forward).shape
+    assert torch.equal(last.sps, sps_tensors(learned.forward))
+    assert pad_sps(last.sps).shape == pad_sps(plans[0].sps).shape == (2, SPS_WIDTH)
+    # the rounds of 2 sequences at their most frequent B (verify rows): the learned step is the
+    # machine's 20 ms, and so is what the round's inputs price (the table at B plus t_draft of 2)
+    bs = [sum(1 + max(e, 0) for e in p.ell) for p in plans if len(p.slot) == 2]
+    B = max(set(bs), key=bs.count)
+    assert learned.t_step(B, 2, 2) == pytest.approx(0.020, rel=1e-9)
+    assert 1.0 / float(learned.forward.lookup(B)) + learned.t_draft(2) == pytest.approx(0.020, rel=1e-9)
+    assert float(eng.cost.t_step(B, 2, 2)) > 0.029  # the profile's price, 1.5-2x
