@@ -25,6 +25,7 @@ gates (lossless as before: dspark_sched's early stop is untouched).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -37,6 +38,8 @@ from .step_cost import StepCost
 
 PATHS = ("eager", "static")
 BOUND = 4.0  # the learned step within [prior / BOUND, prior * BOUND]
+REFRESH = 8  # samples between two rebuilds of the learned view (or a cell reaching its floor): a
+# rebuild (the cells' medians, a new table) cost ~0.5-1 ms on the CI machine, a step 20-60 ms
 
 
 def bucket(B: int) -> int:
@@ -73,7 +76,8 @@ class StepCostLearner:
     def __init__(self, window: int = 64, floor: int = 8):
         self.window, self.floor = int(window), int(floor)
         self.cells: dict[tuple[str, bool, int], Cell] = {}
-        self.version = 0  # bumped by every sample: views cache on it
+        self.version = 0  # bumped by a sample that makes the views stale (REFRESH, a cell at its floor)
+        self._fresh = 0  # samples since the last bump
         self.samples = 0
         self.damped = 0  # samples the winsorisation moved
         self._views: dict = {}
@@ -99,7 +103,9 @@ class StepCostLearner:
         cell.res.append(rc)
         cell.bs.append(int(B))
         self.samples += 1
-        self.version += 1
+        self._fresh += 1
+        if self._fresh >= REFRESH or len(cell) == self.floor:
+            self.version, self._fresh = self.version + 1, 0
 
     def measured(self, path: str, B: int, drafting: bool) -> bool:
         """Has the cell of B its floor of samples?"""
@@ -132,12 +138,13 @@ class StepCostLearner:
 
 def _factor(points: list[tuple[float, float]], B: float) -> float:
     """Piecewise-linear through points (x ascending), held constant beyond the ends."""
-    if B <= points[0][0]:
+    i = bisect.bisect_left(points, (B,))
+    if i == 0:
         return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if B <= x1:
-            return y0 + (y1 - y0) * (B - x0) / max(x1 - x0, 1e-9)
-    return points[-1][1]
+    if i == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (B - x0) / max(x1 - x0, 1e-9)
 
 
 class LearnedStepCost(StepCost):
@@ -167,9 +174,9 @@ class LearnedStepCost(StepCost):
         return self.factor(R * self.rows_per_seq, True) * self.prior.t_draft(R) if R > 0 else 0.0
 
     def t_step(self, B, S: int, R: int):
-        if isinstance(B, torch.Tensor):
-            return torch.tensor([float(self.t_step(int(b), S, R)) for b in B.reshape(-1).tolist()],
-                                dtype=torch.float64).reshape(B.shape)
+        if isinstance(B, torch.Tensor):  # admit's B range: the prior's tensor ops, the factors per B
+            f = torch.tensor([self.factor(b, R > 0) for b in B.reshape(-1).tolist()], dtype=torch.float64)
+            return f.reshape(B.shape) * torch.as_tensor(self.prior.t_step(B, S, R), dtype=torch.float64)
         return self.factor(B, R > 0) * float(self.prior.t_step(B, S, R))
 
     def forward_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
