@@ -216,7 +216,7 @@ def _guard_run(model, guard: bool):
     that timed its larger forwards during a burst of load), so no draft ever pays, with learning kept
     out of admission, so only the guard can correct it. Returns (mean admitted drafts per block over
     the last half of the blocks, tokens per fake second, the engine)."""
-    slow = [1.0]
+    slow = [1.0, 1.0]
     eng, now = _fake_clock_engine(model, slow)
     sizes = list(range(1, 49))
     eng.cost = StepCost(SPSTable(sizes, [1.0 / (0.010 if b <= 2 else 0.060) for b in sizes]), {1: 0.005, 2: 0.005})
