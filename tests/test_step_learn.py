@@ -310,3 +310,36 @@ def test_static_rounds_take_the_learned_cost_as_their_table_input(tiny_model):
     assert learned.t_step(B, 2, 2) == pytest.approx(0.020, rel=1e-9)
     assert 1.0 / float(learned.forward.lookup(B)) + learned.t_draft(2) == pytest.approx(0.020, rel=1e-9)
     assert float(eng.cost.t_step(B, 2, 2)) > 0.029  # the profile's price, 1.5-2x
+
+
+def test_guard_floor_is_the_same_admission_on_eager_steps_and_static_rounds(tiny_model):
+    """The guard's floor reaches the static rounds as fixed_ell = -1 - floor (trn2.round_plan): with a
+    floor of 2 in both modes (held, the guard's own control out of it: a deterministic decision), the
+    static rounds (op by op) admit and accept exactly what eager steps do, every block admission chose
+    verifies at least 2 drafts (or its room), and the tokens are the same (lossless either way)."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+
+    def serve(runner):
+        eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=96, spec_mode="dspark", dspark_adaptive=True))
+        eng.cost = StepCost(SPSTable([1, 2, 4, 8, 16], [25.0, 24.0, 20.0, 12.0, 6.0]), {1: 0.03, 2: 0.03})
+        eng.learn_admit = False  # admission on the given cost (the two modes' timings differ)
+        eng._drafting_decision = lambda seqs: "draft"
+        eng.guard.floor = lambda reg: 2
+        eng.guard.observe_step = lambda *a, **k: None
+        blocks, real = [], eng._account_verify
+        eng._account_verify = lambda s, n: (blocks.append((s.adm, s.ell, s.req.max_tokens - s.n_out)), real(s, n))
+        outs = {}
+        for i, (p, t, seed) in enumerate((([0, 5, 6, 7, 8], 0.0, None), ([0, 17, 230, 5], 0.8, 3))):
+            eng.submit(GenerateRequest(prompt=p, max_tokens=24, temperature=t, seed=seed, ignore_eos=True,
+                                       callback=lambda e, i=i: outs.setdefault(i, []).extend(e.token_ids)))
+        while eng.has_work():
+            eng.step()
+        return outs, eng.stats(), blocks
+
+    want, est, eblocks = serve(LocalRunner(tiny_model, 3, 96))
+    got, st, sblocks = serve(StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none")))
+    assert got == want and st["static_steps"] == st["decode_steps"] > 0
+    assert (st["admitted"], st["accepted"]) == (est["admitted"], est["accepted"])
+    assert sblocks == eblocks
+    chosen = [(ell, left) for adm, ell, left in eblocks if adm == "admit"]
+    assert chosen and all(ell >= min(2, left - 1) for ell, left in chosen), chosen
