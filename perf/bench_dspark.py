@@ -22,8 +22,9 @@ alone). Per cell it prints (on one line)
           dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t> admitted_median=<l>
 (admitted_median: DSpark's median drafts admitted per verified block), then per mode that drafts
     stepcost: batch=<B> temp=<T> mode=<m> model=profile|learned steps=<n> measured_over_model=<r> [q1-q3]
-(each decode step's measured seconds over the start-up profile's t_step, and over the learned cost as
-it stood before that step), and it ends with
+(every decode step's measured seconds over the start-up profile's t_step; and, over the steps taken
+once the learned cost had moved off the profile, over the learned cost as it stood before the step),
+and it ends with
     dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
 """
 
@@ -180,7 +181,8 @@ class ModeRun:
             eng.step()
             if dec and steps is not None:
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
-                steps.append((time.perf_counter() - ts, float(cost.t_step(B, S, R)), float(learned.t_step(B, S, R))))
+                steps.append((time.perf_counter() - ts, float(cost.t_step(B, S, R)), float(learned.t_step(B, S, R)),
+                              learned is not cost))  # the learned cost had moved off the profile
         self.seconds += time.perf_counter() - t0
 
     def result(self) -> dict:
@@ -295,8 +297,8 @@ def main(argv=None) -> int:
                   f"dspark_vs_fixed={med['dspark'] / med['fixed']:.2f} tau={tau:.2f} "
                   f"admitted_median={median_or_nan(admitted['dspark']):g}", flush=True)
             for m in ("dspark", "fixed"):  # is the step-cost model admission plans with the step's real cost?
-                for i, name in ((1, "profile"), (2, "learned")):  # before learning, and as learned so far
-                    ratio = [r[0] / r[i] for r in steps[m] if r[i] > 0]
+                for i, name in ((1, "profile"), (2, "learned")):  # every step; the steps after learning moved
+                    ratio = [r[0] / r[i] for r in steps[m] if r[i] > 0 and (i == 1 or r[3])]
                     if ratio:
                         q = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3
                         print(f"stepcost: batch={b} temp={t:g} mode={NAMES[m]} model={name} steps={len(ratio)} "
