@@ -172,6 +172,10 @@ class Settings:
         128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
         "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
         scope="engine", low=1)
+    step_cost_online: bool = setting(
+        True, "learn the step cost from every measured decode step (the start-up profile is the prior; "
+        "per decode path, windowed medians, outliers damped) and guard DSpark's admission against "
+        "fixed_len drafting per temperature regime", scope="engine")
     calibration_online: bool = setting(
         True, "keep the DSpark confidence head's calibration current from the acceptances observed "
         "(per temperature regime)", scope="engine")

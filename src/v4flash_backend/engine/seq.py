@@ -80,6 +80,7 @@ class Seq:
     ev_trials: list[float] | None = None
     ev_hits: list[float] | None = None
     ell: int = 0  # drafts admitted for the next verify
+    adm: str = ""  # how ell was chosen: admit | probe | explore | fixed (the fixed-length guard reads it)
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (engine.prefix_cache)

@@ -104,7 +104,8 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     graph 1's log-probs pack, appended: still one read-back). `proc`: the processed variant's
     drafting processors (`draft_logit_fn`). t_draft [S+1] `loop_dtype()`: the draft seconds by live rows R
     (0: the forward's table alone); cal [S, G, 2] `loop_dtype()`: (T_k, b_k) per row and position (T = 0: the
-    raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 runs admission."""
+    raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 - f runs admission with at
+    least f drafts (the fixed-length guard's floor; -1: admission alone)."""
     G = dec.max_rows - 1
     S = slot.shape[0]
     d = dec.drafter
@@ -120,7 +121,7 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     conf = d.confidence(hidden, d.markov_embed(block.prev))
     if mode == "dspark":
         ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, t_draft)
-        ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), ell)
+        ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), torch.maximum(ell, (-1 - fixed_ell).clamp(0, G)))
     else:
         ell = torch.full((S,), min(fixed_len, G), dtype=torch.long, device=slot.device)
     room = torch.minimum(budget - k - 1, len_left - k - 1).clamp(0, G)
