@@ -51,7 +51,8 @@ def _settings(args, static: bool, sps_path: str):
                     decode_graph="static" if static else "eager",
                     graph_backend=args.graph_backend if static else "",
                     resident_device=args.device if static else "", max_num_seqs=args.prompts,
-                    max_model_len=256, prefill_chunk=64, sps_path=sps_path)
+                    max_model_len=256, prefill_chunk=64, sps_path=sps_path,
+                    step_cost_online=False)  # admission from the shared table alone, not each run's timings
 
 
 def _prompts(args) -> list[list[int]]:
