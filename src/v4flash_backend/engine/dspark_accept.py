@@ -28,7 +28,14 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .sampling import Sampler, SamplingParams, TorchSampler, categorical_from_uniform, process_logits_static
+from .sampling import (
+    Sampler,
+    SamplingParams,
+    TorchSampler,
+    bernoulli_from_uniform,
+    categorical_from_uniform,
+    process_logits_static,
+)
 
 # Residual mass at or below this falls back to p (DeepSpec's rule). Exactly, the residual has
 # mass >= q(x) - p(x) > 0 whenever a rejection can happen; the fallback only guards rounding.
@@ -332,5 +339,5 @@ def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: to
     compared in the noise's dtype as CounterSampler.bernoulli does), u_final [S] (the final /
     residual / bonus draw), stop_ids [S, W] (-1 padded), max_tokens [S]."""
     return _verify(target_logits, drafts, q_token, z, ell.long(), temperature, top_k, top_p,
-                   lambda p: u_accept < p.to(u_accept.dtype), lambda d: categorical_from_uniform(d, u_final),
+                   lambda p: bernoulli_from_uniform(p, u_accept), lambda d: categorical_from_uniform(d, u_final),
                    stop_ids, max_tokens, residual_eps)

@@ -184,6 +184,12 @@ def categorical_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tens
     return torch.minimum(idx, last_positive)
 
 
+def bernoulli_from_uniform(prob: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """True where u < prob (u in [0, 1) of the noise's dtype; prob compared in that dtype): the
+    acceptance draw of noise.CounterSampler (eager) and of dspark_accept.verify_static (graphs)."""
+    return u < prob.to(u.dtype)
+
+
 class Sampler(Protocol):
     """Source of randomness, batched over rows (row r = request r)."""
 
