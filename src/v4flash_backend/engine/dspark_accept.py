@@ -227,7 +227,7 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, ell: torch.
     rejection's residual of a one-hot p is p itself, so a zero z stands in)."""
     R, G = drafts.shape
     V = target_logits.shape[-1]
-    block = DraftBlock(tokens=drafts, prev=drafts, q_token=torch.ones(R, G, dtype=torch.float64),
+    block = DraftBlock(tokens=drafts, prev=drafts, q_token=torch.ones(R, G, dtype=torch.float64, device=drafts.device),
                        z=torch.zeros(R, G, V, device=drafts.device))
     return verify(target_logits, block, ell, SamplingParams.make(R, 0.0), stop_ids=stop_ids, max_tokens=max_tokens)
 

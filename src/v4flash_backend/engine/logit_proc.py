@@ -49,7 +49,10 @@ def draft_logit_fn(base: torch.Tensor, n_out: torch.Tensor, proc: dict):
     V = base.shape[1]
 
     def fn(k: int, z: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        counts = base + torch.nn.functional.one_hot(drafted.long(), V).sum(1).to(base.dtype) if k else base
+        if k:  # (drafted moves to base's device: the eager engine keeps base on the host)
+            counts = base + torch.nn.functional.one_hot(drafted.long().to(base.device), V).sum(1).to(base.dtype)
+        else:
+            counts = base
         return processed_rows(z, counts, proc["frequency"], proc["presence"], proc["stop_ids"],
                               n_out + k < proc["min_tokens"])
 

@@ -32,19 +32,19 @@ class LogitProcessing:
         processors, which keeps DSpark lossless under them."""
         if not self._processed(seqs):
             return logits
-        counts = torch.tensor([len(p) for p in positions])
-        n = int(counts.max())
-        off = torch.cumsum(counts, 0) - counts
-        grid = off[:, None] + torch.minimum(torch.arange(n)[None, :], counts[:, None] - 1)  # [R, n] (clamped)
+        dev = logits.device
+        counts = torch.tensor([len(p) for p in positions], device=dev)
+        n = max(len(p) for p in positions)
+        steps = torch.arange(n, device=dev)[None, :]
+        grid = (torch.cumsum(counts, 0) - counts)[:, None] + torch.minimum(steps, counts[:, None] - 1)  # clamped
         drafts = torch.zeros(len(seqs), n - 1, dtype=torch.long)
         for i, (s, ps) in enumerate(zip(seqs, positions)):
             if len(ps) > 1:
                 drafts[i, :len(ps) - 1] = s.draft[0][:len(ps) - 1]
-        proc = self._proc_inputs(seqs)
-        proc["n_out"] = torch.tensor([ps[0] for ps in positions])
-        out = process_verify_rows(logits[grid], proc["base"], drafts, proc["stop_ids"], proc)
-        keep = (torch.arange(n)[None, :] < counts[:, None]).reshape(-1)
-        return out[keep]
+        proc = self._proc_inputs(seqs, dev)
+        proc["n_out"] = torch.tensor([ps[0] for ps in positions], device=dev)
+        out = process_verify_rows(logits[grid], proc["base"], drafts.to(dev), proc["stop_ids"], proc)
+        return out[(steps < counts[:, None]).reshape(-1)]
 
     def _draft_logit_fn(self, seqs: list[Seq]):
         """Draft slot k of request i predicts its output token n_out + k after its committed output
@@ -52,17 +52,18 @@ class LogitProcessing:
         (`logit_proc.draft_logit_fn`, as the static rounds; None when no request needs any)."""
         if not self._processed(seqs):
             return None
-        proc = self._proc_inputs(seqs)
+        proc = self._proc_inputs(seqs)  # on the host: the processors move what they need to z's device
         return draft_logit_fn(proc["base"], torch.tensor([s.n_out for s in seqs]), proc)
 
-    def _proc_inputs(self, seqs: list[Seq]) -> dict:
-        """The processors' per-request tensors, as a static round's plan packs them."""
+    def _proc_inputs(self, seqs: list[Seq], device=None) -> dict:
+        """The processors' per-request tensors, as a static round's plan packs them (on `device`)."""
         dt = loop_dtype()
-        return dict(base=torch.stack([self._output_counts(s) for s in seqs]),
+        proc = dict(base=torch.stack([self._output_counts(s) for s in seqs]),
                     min_tokens=torch.tensor([s.req.min_tokens for s in seqs]),
                     frequency=torch.tensor([float(s.req.frequency_penalty) for s in seqs], dtype=dt),
                     presence=torch.tensor([float(s.req.presence_penalty) for s in seqs], dtype=dt),
                     stop_ids=self._stop_ids(seqs))
+        return proc if device is None else {k: v.to(device) for k, v in proc.items()}
 
     @staticmethod
     def _processed(seqs: list[Seq]) -> bool:
