@@ -20,10 +20,12 @@ block come back in the read-back (float64 bits: exact), for the host's online ca
 next stepping-aside decision. A round that steps aside runs graph 1 alone (`verify_round` also
 returns that round's read-back, ell 0): no ring writes, no draft stages, no taps read.
 
-The functions are the host functions' static forms (`dspark_accept.verify_static`,
-`markov_draft_static`, `sampling.process_logits_static`, `dspark_sched.admit_static`), so eager
-serving (which runs the host forms with `noise.CounterSampler`) and these graphs commit the same
-tokens for the same request and seed.
+Sampling, acceptance, the logit processors and log-probs are the engine's one implementation
+(`dspark_accept.verify_static` / `markov_draft_static`, `sampling.process_logits_static` /
+`token_logprobs_static`, `logit_proc`, `calibration.calibrated_confidence`): eager serving runs the
+same functions through thin adapters, with `noise.CounterSampler` handing out these uniforms, so the
+two commit the same tokens for the same request and seed. Admission is still a pair
+(`dspark_sched.admit` on the host, `admit_static` here), checked equal row by row.
 """
 
 from __future__ import annotations
