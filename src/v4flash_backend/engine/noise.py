@@ -145,5 +145,6 @@ class CounterSampler:
         return categorical_from_uniform(probs, self._next(None).to(probs.device))
 
     def bernoulli(self, prob: torch.Tensor) -> torch.Tensor:
-        u = self._next(prob.shape[1]).to(prob.device)
-        return u < prob.to(u.dtype)
+        from .sampling import bernoulli_from_uniform
+
+        return bernoulli_from_uniform(prob, self._next(prob.shape[1]).to(prob.device))
