@@ -15,9 +15,15 @@ wall time of its groups; the cell reports the median over rounds and the spread 
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
-Per cell it prints (on one line)
+Each mode's engines share one step-cost learner and fixed-length guard over the whole bench
+(engine/step_learn.py, engine/fixed_guard.py: a server's lifetime; --no-step-cost-online: the profile
+alone). Per cell it prints (on one line)
     cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z>
-          dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t>
+          dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t> admitted_median=<l>
+(admitted_median: DSpark's median drafts admitted per verified block), then per mode that drafts
+    stepcost: batch=<B> temp=<T> mode=<m> model=profile|learned steps=<n> measured_over_model=<r> [q1-q3]
+(every decode step's measured seconds over the start-up profile's t_step; and, over the steps taken
+once the learned cost had moved off the profile, over the learned cost as it stood before the step),
 and it ends with
     dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
 """
@@ -38,7 +44,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 from v4flash_backend import ops  # noqa: E402
 from v4flash_backend.engine.engine import Engine  # noqa: E402
+from v4flash_backend.engine.fixed_guard import FixedGuard  # noqa: E402
 from v4flash_backend.engine.runner import LocalRunner  # noqa: E402
+from v4flash_backend.engine.step_learn import StepCostLearner  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
@@ -120,21 +128,29 @@ class ModeRun:
     (as a server has: its online calibration and acceptance window carry from one group of
     requests to the next); `group(g0)` runs one group, so several modes' runs can be interleaved
     group by group. mode "oracle": OracleEngine with `reference` (plain greedy outputs per prompt);
-    `outputs` collects the tokens, `steps` the decode steps' (measured, modelled) seconds."""
+    `outputs` collects the tokens, `steps` the decode steps' (measured, profile's, learned) seconds,
+    `admitted` the drafts admission chose per verified block. `learned`: (StepCostLearner,
+    FixedGuard) the mode's engines share (None: each engine's own; step_cost_online False: none)."""
 
     def __init__(self, model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                  adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
-                 steps: list | None = None):
+                 steps: list | None = None, learned: tuple | None = None, online: bool = True,
+                 admitted: list | None = None):
         self.mode, self.prompts, self.batch, self.max_tokens, self.temp, self.seed = (
             mode, prompts, batch, max_tokens, temp, seed)
-        self.cost, self.outputs, self.steps = cost, outputs, steps
+        self.cost, self.outputs, self.steps, self.admitted = cost, outputs, steps, admitted
         self.seconds = 0.0
         runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
         oracle = mode == "oracle"
         self.eng = eng = (OracleEngine if oracle else Engine)(runner, Settings(
             max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
-            dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle))
+            dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle,
+            step_cost_online=online))
         eng.cost = cost
+        if learned is not None:  # the mode's learner and guard, carried from engine to engine
+            eng.learner = learned[0]
+            if eng.guard is not None:
+                eng.guard = learned[1]
         if oracle:
             eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
             eng.reference = {f"p{i}": r for i, r in enumerate(reference)}
@@ -154,14 +170,19 @@ class ModeRun:
         for r in reqs:
             eng.submit(r)
         while len(done) < len(reqs):
-            # decode-only steps: (measured seconds, the step-cost model's t_forward(B, S) + t_draft(R))
-            dec = eng.running and not any(s.prefilling for s in eng.running) and self.mode != "off"
+            # decode-only steps: (measured seconds, the profile's and the learned cost's t_step(B, S, R))
+            # (a bool: `eng.running` itself is the list the step then fills)
+            dec = bool(eng.running) and not any(s.prefilling for s in eng.running) and self.mode != "off"
             B, S = sum(1 + s.ell for s in eng.running), len(eng.running)
+            if dec and self.admitted is not None:
+                self.admitted.extend(s.ell for s in eng.running if s.adm == "admit")
+            learned = eng.learned_cost() if dec and steps is not None else None
             drafted0, ts = eng.totals["drafted"], time.perf_counter()
             eng.step()
             if dec and steps is not None:
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
-                steps.append((time.perf_counter() - ts, float(cost.t_forward(B, S)) + cost.t_draft(R)))
+                steps.append((time.perf_counter() - ts, float(cost.t_step(B, S, R)), float(learned.t_step(B, S, R)),
+                              learned is not cost))  # the learned cost had moved off the profile
         self.seconds += time.perf_counter() - t0
 
     def result(self) -> dict:
@@ -172,9 +193,9 @@ class ModeRun:
 
 def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
         adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
-        steps: list | None = None) -> dict:
+        steps: list | None = None, **kw) -> dict:
     """One mode's whole run (ModeRun's groups back to back): {tok_s, tau}."""
-    mr = ModeRun(model, mode, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference, outputs, steps)
+    mr = ModeRun(model, mode, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference, outputs, steps, **kw)
     for g0 in mr.groups():
         mr.group(g0)
     return mr.result()
@@ -182,18 +203,24 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
 
 def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                       rnd: int, adaptive: bool = True, reference: list | None = None,
-                      outputs: dict | None = None, steps: dict | None = None) -> dict:
+                      outputs: dict | None = None, steps: dict | None = None, learned: dict | None = None,
+                      online: bool = True, admitted: dict | None = None) -> dict:
     """One round of every mode, interleaved group by group (each group of prompts runs in every mode
     before the next group starts; the order of the modes rotates with the group and the round), so
     a burst of load on the shared machine hits the modes alike instead of one mode's whole run.
-    Returns {mode: {tok_s, tau}}."""
+    Returns {mode: {tok_s, tau}}. learned: {mode: (StepCostLearner, FixedGuard)} carried over rounds."""
     runs = {m: ModeRun(model, m, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference,
-                       (outputs or {}).get(m), (steps or {}).get(m)) for m in modes}
+                       (outputs or {}).get(m), (steps or {}).get(m), (learned or {}).get(m), online,
+                       (admitted or {}).get(m)) for m in modes}
     for gi, g0 in enumerate(range(0, len(prompts), batch)):
         k = (rnd + gi) % len(modes)
         for m in modes[k:] + modes[:k]:
             runs[m].group(g0)
     return {m: r.result() for m, r in runs.items()}
+
+
+def median_or_nan(values: list) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def fmt(values: list[float]) -> str:
@@ -213,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle", action="store_true",
                     help="at T = 0 also run DSpark with a perfect confidence head (OracleEngine): the bound "
                          "admission could reach")
+    ap.add_argument("--no-step-cost-online", dest="online", action="store_false",
+                    help="admission on the start-up profile alone: no learned step cost, no fixed-length guard")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, "
                          "no stepping aside)")
@@ -229,7 +258,7 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temps.split(",")]
     print(f"checkpoint {ckpt} (dim {model.cfg.dim}, {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}); "
           f"{source}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}; "
-          f"dspark_adaptive={args.adaptive}")
+          f"dspark_adaptive={args.adaptive}; step_cost_online={args.online}")
     prof = Engine(LocalRunner(model, max(batches) + 1, 512),
                   Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark", dspark_adaptive=True))
     cost = prof.ensure_cost()
@@ -237,6 +266,9 @@ def main(argv=None) -> int:
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None
     reference = None
+    # the learner / guard of a mode live as long as the bench (a server's lifetime)
+    learned = {m: (StepCostLearner(), FixedGuard(prof.settings.fixed_len, prof.gamma))
+               for m in MODES + ("oracle",)}
     if args.oracle and 0.0 in temps:  # plain greedy outputs (exact numerics: independent of the batch)
         reference = [[] for _ in prompts]
         run(model, "off", prompts, max(batches), args.max_tokens, 0.0, cost, 0, outputs=reference)
@@ -245,10 +277,12 @@ def main(argv=None) -> int:
             modes = MODES + (("oracle",) if reference is not None and t == 0 else ())
             res = {m: [] for m in modes}
             steps: dict[str, list] = {}
+            admitted: dict[str, list] = {m: [] for m in modes}
             for rnd in range(args.rounds):
                 outs = {"oracle": [[] for _ in prompts]} if "oracle" in modes else {}
                 got = interleaved_round(model, modes, prompts, b, args.max_tokens, t, cost, 1000 * rnd, rnd,
-                                        args.adaptive, reference, outs, {m: steps.setdefault(m, []) for m in modes})
+                                        args.adaptive, reference, outs, {m: steps.setdefault(m, []) for m in modes},
+                                        learned, args.online, admitted)
                 for m in modes:
                     res[m].append(got[m])
                 if outs and outs["oracle"] != reference:
@@ -260,13 +294,15 @@ def main(argv=None) -> int:
                       f"{statistics.median(r['tau'] for r in res[m]):5.2f}")
             print(f"cell: batch={b} temp={t:g} plain_tok_s={med['off']:.1f} dspark_tok_s={med['dspark']:.1f} "
                   f"fixed_tok_s={med['fixed']:.1f} dspark_vs_plain={med['dspark'] / med['off']:.2f} "
-                  f"dspark_vs_fixed={med['dspark'] / med['fixed']:.2f} tau={tau:.2f}", flush=True)
+                  f"dspark_vs_fixed={med['dspark'] / med['fixed']:.2f} tau={tau:.2f} "
+                  f"admitted_median={median_or_nan(admitted['dspark']):g}", flush=True)
             for m in ("dspark", "fixed"):  # is the step-cost model admission plans with the step's real cost?
-                ratio = [x / y for x, y in steps[m] if y > 0]
-                if ratio:
-                    q = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3
-                    print(f"stepcost: batch={b} temp={t:g} mode={NAMES[m]} steps={len(ratio)} "
-                          f"measured_over_model={statistics.median(ratio):.2f} [{q[0]:.2f}-{q[-1]:.2f}]")
+                for i, name in ((1, "profile"), (2, "learned")):  # every step; the steps after learning moved
+                    ratio = [r[0] / r[i] for r in steps[m] if r[i] > 0 and (i == 1 or r[3])]
+                    if ratio:
+                        q = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3
+                        print(f"stepcost: batch={b} temp={t:g} mode={NAMES[m]} model={name} steps={len(ratio)} "
+                              f"measured_over_model={statistics.median(ratio):.2f} [{q[0]:.2f}-{q[-1]:.2f}]")
             if "oracle" in res:
                 mo = statistics.median(r["tok_s"] for r in res["oracle"])
                 print(f"oracle: batch={b} temp={t:g} oracle_tok_s={mo:.1f} oracle_vs_plain={mo / med['off']:.2f} "

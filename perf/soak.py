@@ -18,6 +18,11 @@ drives the tritonserver on 127.0.0.1 (started with `make serve` / scripts/serve.
   - bursts of --burst-size requests at once every --burst-every seconds, above the capacity
     (KV slots + wait queue): the overflow must be refused with UNAVAILABLE ("server at
     capacity"), the rest served;
+  - with --shared-prefix, a share of greedy id requests that begin with one shared block of
+    PREFIX_LEN ids and end in one of a few short tails (and some whose prompt is a whole earlier
+    one): the prefix cache serves them, their answers must equal the reference (taken first, so
+    cold), and the report adds the prefix-cache counters and its bytes against its budget
+    (--start-server sets prefix_cache_bytes to PREFIX_BUDGET, small, so entries are evicted);
   - with --kill-worker, one rank-group worker (found in the server's process tree) SIGKILLed
     at 40 % of the run: requests overlapping the outage may fail with UNAVAILABLE, and the
     model must serve again by itself.
@@ -76,6 +81,12 @@ TEXT_PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class S
                 "# Return the sum of a list\n", "for i in range(10):\n"]
 ID_PROMPTS = [[0, 17, 250, 33, 901, 12], [0, 5, 6, 7], [0, 300, 301, 302, 303, 304, 305, 306], [0, 42]]
 GREEDY_MAX_TOKENS = 24
+# --shared-prefix: a block of ids every such prompt begins with (--start-server serves it with a
+# prefill_chunk of 64, so entries at chunk boundaries and at prompt ends both serve), and its tails
+PREFIX_LEN = 200
+PREFIX_IDS = [0] + [3 + (7919 * k) % 997 for k in range(1, PREFIX_LEN)]
+PREFIX_TAILS = [[11 + i, 400 + 3 * i, 77, 5 + i] for i in range(4)] + [[]]
+PREFIX_BUDGET = 1 << 20
 
 
 # ---- one request's record ---------------------------------------------------------------------
@@ -385,7 +396,22 @@ class Soak:
                            triton_level=triton))
         return self.http(rec, body, stream=r.random() < 0.3 and isinstance(body, dict))
 
+    def shared_prefix(self, r: random.Random) -> Rec:
+        i = r.randrange(len(PREFIX_TAILS))
+        ids = PREFIX_IDS + PREFIX_TAILS[i]
+        key = ("prefix", "v4flash", i)
+        if r.random() < 0.7:
+            rec = self.add(Rec("prefix", "grpc", "v4flash", ref_key=key))
+            return self.grpc(rec, dict(input_ids=ids, stream=r.random() < 0.6, exclude_input_in_output=True,
+                                       max_tokens=GREEDY_MAX_TOKENS))
+        rec = self.add(Rec("prefix", "http", "v4flash", ref_key=key))
+        stream = r.random() < 0.5
+        return self.http(rec, {"input_ids": ids, "max_tokens": GREEDY_MAX_TOKENS, "stream": stream,
+                               "exclude_input_in_output": True}, stream)
+
     def one(self, r: random.Random) -> Rec:
+        if self.a.shared_prefix and r.random() < 0.4:
+            return self.shared_prefix(r)
         x = r.random()
         if x < 0.35:
             return self.greedy(r)
@@ -485,6 +511,12 @@ class Soak:
             rec = self.grpc(Rec("ref", "grpc", "v4flash"), kw)
             assert rec.status == "ok", f"reference run failed: {rec.message}"
             self.refs[("ids", "v4flash", i)] = dict(ids=rec.ids, text=rec.text)
+        for i, tail in enumerate(PREFIX_TAILS if self.a.shared_prefix else []):
+            kw = dict(input_ids=PREFIX_IDS + tail, stream=False, exclude_input_in_output=True,
+                      max_tokens=GREEDY_MAX_TOKENS)
+            rec = self.grpc(Rec("ref", "grpc", "v4flash"), kw)
+            assert rec.status == "ok", f"reference run failed: {rec.message}"
+            self.refs[("prefix", "v4flash", i)] = dict(ids=rec.ids, text=rec.text)
 
     def run(self) -> int:
         self.reference()
@@ -567,6 +599,14 @@ class Soak:
               f"expired_total+={delta('v4flash:requests_expired_total'):.0f} "
               f"finished: " + " ".join(f"{k}+={delta(f'v4flash:requests_finished_total[{k}]'):.0f}"
                                        for k in ("stop", "length", "cancelled", "error")))
+        if self.a.shared_prefix:
+            nbytes = after.get("v4flash:prefix_cache_bytes", -1)
+            budget = self.a.prefix_budget
+            print(f"soak: prefix_cache hits+={delta('v4flash:prefix_cache_hits_total'):.0f} "
+                  f"misses+={delta('v4flash:prefix_cache_misses_total'):.0f} "
+                  f"cached_tokens+={delta('v4flash:prefix_cache_cached_tokens_total'):.0f} "
+                  f"evictions+={delta('v4flash:prefix_cache_evictions_total'):.0f} bytes={nbytes:.0f} "
+                  f"budget={budget} within_budget={'yes' if 0 <= nbytes <= budget else 'no'}")
         growth = 0.0
         if self.samples:
             n = len(self.samples)
@@ -588,6 +628,8 @@ class Soak:
         print(f"soak: seconds={load_end:.0f} requests={len(recs)} errors_unexpected={len(bad)} lost={len(lost)} "
               f"leaked_slots={leaked} rss_growth_mib={growth:.1f}", flush=True)
         ok = not bad and not lost and leaked == 0 and growth < 50 and (refused > 0 or not self.bursts) and killed_ok
+        if self.a.shared_prefix:
+            ok = ok and 0 <= after.get("v4flash:prefix_cache_bytes", -1) <= self.a.prefix_budget
         return 0 if ok else 1
 
 
@@ -674,7 +716,8 @@ def build_repository(root: Path, params: dict | None = None) -> Path:
 
 
 def start_server(args, root: Path, ready_timeout_s: float = 300.0) -> subprocess.Popen:
-    repo = build_repository(root)
+    extra = {"prefix_cache_bytes": str(args.prefix_budget), "prefill_chunk": "64"} if args.shared_prefix else None
+    repo = build_repository(root, extra)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(args.http_port), GRPC_PORT=str(args.grpc_port),
                METRICS_PORT=str(args.metrics_port))
     env.pop("V4FLASH_CHECKPOINT_DIR", None)
@@ -724,6 +767,10 @@ def main(argv=None) -> int:
     ap.add_argument("--progress-s", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--start-server", action="store_true",
                     help="serve a temporary copy of model_repository/ (4 slots, queue 4) on the given ports first")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="add greedy requests sharing a long prefix (the prefix cache's traffic)")
+    ap.add_argument("--prefix-budget", type=int, default=PREFIX_BUDGET,
+                    help="prefix_cache_bytes of --start-server, and the bound the report checks the bytes against")
     args = ap.parse_args(argv)
     proc = root = None
     if args.start_server:

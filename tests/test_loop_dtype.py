@@ -103,7 +103,9 @@ def test_host_and_static_admission_agree_in_fp32():
 
 
 def _engine(runner, mode):
-    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=64, spec_mode=mode, dspark_adaptive=True))
+    # step_cost_online off: both engines admit on the given cost, not on their own step timings
+    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=64, spec_mode=mode, dspark_adaptive=True,
+                                  step_cost_online=False))
     eng.cost = StepCost(SPS, {1: 0.004, 2: 0.005, 3: 0.006})  # draft seconds: admission's t_draft form
     eng._drafting_decision = lambda seqs: "draft"  # every step drafts (stepping aside: test_step_cost)
     return eng

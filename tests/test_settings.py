@@ -36,7 +36,8 @@ def test_every_setting_is_a_config_pbtxt_parameter(name):
     f = next(f for f in fields(Settings) if f.name == name)
     value, text = _sample(f)
     extra = {"heartbeat_s": {"collective_timeout_s": "1000"},
-             "pipeline_parallel": {"world_size": "12"}}.get(name, {})  # world_size a multiple of it
+             "pipeline_parallel": {"world_size": "12"},  # world_size a multiple of it
+             "resident_device": {"decode_graph": "static"}}.get(name, {})  # it places the static path's state
     s, unknown = Settings.from_params({name: text, **extra})
     assert getattr(s, name) == value and unknown == {}
 
@@ -54,7 +55,8 @@ def test_bad_values_are_named():
                           ({"startup_timeout_s": "-1"}, "'startup_timeout_s' must be > 0"),
                           ({"world_size": "4", "pipeline_parallel": "3"}, "must be a multiple of pipeline_parallel"),
                           ({"world_size": "2", "pipeline_parallel": "2", "decode_graph": "static"},
-                           "runs the eager decode path")]:
+                           "runs the eager decode path"),
+                          ({"resident_device": "cuda", "decode_graph": "eager"}, "set decode_graph static")]:
         with pytest.raises(ValueError, match=match):
             Settings.from_params(params)
     with pytest.raises(ValueError, match="unknown setting"):

@@ -151,7 +151,9 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
             dict(temperature=0.8, seed=5, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, logprobs=2)]
 
     def serve(runner):
-        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3))
+        # step_cost_online off: both engines decide on the given cost, not on their own step timings
+        eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3,
+                                      step_cost_online=False))
         out = []
         # the first request with drafting at half a forward (pays at the untrained head's c = 0.5),
         # the second at twice a forward (does not: stepped aside, with probes); graph inputs only
@@ -170,6 +172,19 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
     assert kinds == est["decode_steps_by_kind"] and all(kinds.values()), kinds  # drafted, probed, stepped aside
     assert st["graphs_per_step_by_kind"] == {"draft": 2, "probe": 2, "aside": 1}
     assert sr.counters["plain_decode_rounds"] > 0  # stepped-aside rounds after the first: 1 row per sequence
+    # issue 32: the learned step cost reaches the compiled rounds as input values, never as a new graph
+    # (a learner fed steps at half the profile's time, so the round's SPS table is another one)
+    eng = Engine(sr, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True))
+    eng.cost = StepCost(SPS, {1: 0.05})
+    for B in (1, 2, 4, 6):
+        for _ in range(8):
+            eng.learner.observe("static", B, 1, 1, 0.5 * eng.cost.t_step(B, 1, 1), eng.cost)
+    plans, real_round = [], sr.decode_round
+    sr.decode_round = lambda plan: (plans.append(plan), real_round(plan))[1]
+    eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=12, ignore_eos=True, **reqs[0]))
+    sr.decode_round = real_round
+    assert sr.graphs.stats.graphs == 7, "a graph was re-traced for the learned step cost"
+    assert plans and all(p.sps is not None and not torch.equal(p.sps, sps_tensors(SPS)) for p in plans)
 
 
 def _group_compiled_vs_w1_eager(ckpt, world, model):
@@ -538,7 +553,7 @@ def test_rank_group_serves_logit_processing_in_the_rounds(tiny_model, golden_dir
     cost.save(sps_path)
     params = dict(max_tokens=16, temperature=0.8, seed=3, frequency_penalty=2.0, presence_penalty=1.5,
                   min_tokens=7, logprobs=2, stop_token_ids=[16, 265])
-    adaptive = dict(dspark_adaptive=True, probe_every=3)
+    adaptive = dict(dspark_adaptive=True, probe_every=3, step_cost_online=False)  # decisions on the given cost
     g = RankGroup.launch(Settings(checkpoint_dir=str(golden_dir), world_size=2, max_num_seqs=1, max_model_len=40,
                                   decode_graph="static", sps_path=str(sps_path), startup_timeout_s=600.0,
                                   **adaptive))

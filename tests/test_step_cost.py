@@ -152,7 +152,9 @@ STEEP = StepCost(SPSTable([1, 2, 4, 8, 16, 32], [25.0, 24.5, 23.0, 19.0, 12.0, 6
 def _serve_batch(runner, reqs, cost, **kw):
     """Requests of different lengths and temperatures decoded together (submitted together, so
     every decode step is a round on a static runner); returns (tokens per request, stats, engine)."""
-    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=96, spec_mode="dspark", dspark_adaptive=True, **kw))
+    # step_cost_online off: the two engines' decisions must not follow their own (different) step timings
+    eng = Engine(runner, Settings(max_num_seqs=3, max_model_len=96, spec_mode="dspark", dspark_adaptive=True,
+                                  step_cost_online=False, **kw))
     eng.cost = cost
     outs = {}
     for i, (prompt, k, t, seed, *more) in enumerate(reqs):

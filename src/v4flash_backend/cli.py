@@ -163,9 +163,11 @@ def generate_settings(args, prompt: list[int]):
                                ("sequence_parallel", getattr(args, "sequence_parallel", None)),
                                ("sps_path", getattr(args, "sps_path", None) or default_sps_path(args)),
                                ("count_host_syncs", bool(getattr(args, "step_report", False)))) if v}
+    # step_cost_online off: admission then reads the saved table alone, never this run's timings,
+    # so the same seed gives the same ids at every W and decode_graph (a server learns; see README)
     return Settings(checkpoint_dir=args.checkpoint_dir, world_size=args.world_size or 1,
                     ops_backend=args.ops_backend or "torch", max_num_seqs=1,
-                    max_model_len=len(prompt) + args.max_tokens + 8, **extra)
+                    max_model_len=len(prompt) + args.max_tokens + 8, step_cost_online=False, **extra)
 
 
 def print_generation(tokens, reason, last, tok, world, times, report) -> None:
@@ -287,5 +289,11 @@ def main(argv=None) -> int:
                                            "trn2 dtypes, kernel nodes, host reads; the Neuron launch environment")
     trn2.add_arguments(tc)
     tc.set_defaults(fn=trn2.main)
+    from v4flash_backend.checks import standin
+
+    sd = sub.add_parser("device-standin", help="the served static path on a stand-in accelerator (a GPU): no host "
+                                               "sync inside a step, no weight or cache copy, the CPU eager ids")
+    standin.add_arguments(sd)
+    sd.set_defaults(fn=standin.main)
     args = ap.parse_args(argv)
     return args.fn(args)

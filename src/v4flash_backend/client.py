@@ -49,6 +49,7 @@ class Chunk:
     num_output_tokens: int
     num_drafted_tokens: int
     num_accepted_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache restored (not prefilled)
     time: float = field(default_factory=time.monotonic)  # when it arrived (monotonic clock)
 
 
@@ -71,6 +72,7 @@ def _chunk(result) -> Chunk:
         num_output_tokens=int(_first(result, "num_output_tokens", 0)),
         num_drafted_tokens=int(_first(result, "num_drafted_tokens", 0)),
         num_accepted_tokens=int(_first(result, "num_accepted_tokens", 0)),
+        num_cached_tokens=int(_first(result, "num_cached_tokens", 0)),
     )
 
 

@@ -116,6 +116,11 @@ class Settings:
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
         "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
+    resident_device: str = setting(
+        "", "where a static server keeps its weights and caches (place_resident, once at load); empty: the "
+        "rank's NeuronCore with ops_backend nki, else the CPU; 'cuda' runs the static rounds with the torch "
+        "ops on an NVIDIA GPU, the stand-in accelerator of `device-standin` (checks/standin.py)",
+        scope="group")
     count_host_syncs: bool = setting(
         False, "eager decode: count the host syncs of every forward (the engine stats' "
         "host_syncs_per_step; a hook on every torch call, 30-40 % of a CPU forward; `generate "
@@ -167,12 +172,20 @@ class Settings:
         128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
         "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
         scope="engine", low=1)
+    step_cost_online: bool = setting(
+        True, "learn the step cost from every measured decode step (the start-up profile is the prior; "
+        "per decode path, windowed medians, outliers damped) and guard DSpark's admission against "
+        "fixed_len drafting per temperature regime", scope="engine")
     calibration_online: bool = setting(
         True, "keep the DSpark confidence head's calibration current from the acceptances observed "
         "(per temperature regime)", scope="engine")
     calibration_path: str = setting(
         "", "STS calibration (temperature and shift per position) of the confidence head; empty: the "
         "checkpoint's dspark_calibration.json if present", scope="engine", path=True)
+    prefix_cache_bytes: int = setting(
+        512 << 20, "prefix cache budget in bytes per rank: the state at every prefill chunk's end is kept "
+        "(least recently used entries go first) and a request starting with a cached prefix prefills only "
+        "the rest, with the same tokens (exact numerics only); 0: off", scope="engine", low=0)
     queue_timeout_s: float = setting(
         120.0, "a request waiting longer than this for a KV slot is failed with UNAVAILABLE",
         scope="engine", low=0.0)
@@ -202,6 +215,9 @@ class Settings:
         if self.pipeline_parallel > 1 and self.decode_graph_mode == "static":
             raise ValueError("setting 'pipeline_parallel' > 1 runs the eager decode path: set decode_graph eager "
                              "(the static round graphs hold the whole model)")
+        if self.resident_device not in ("", "cpu") and self.decode_graph_mode != "static":
+            raise ValueError(f"setting 'resident_device' {self.resident_device!r} places the static path's weights "
+                             "and caches: set decode_graph static")
         if not self.heartbeat_s < self.collective_timeout_s / 2:
             raise ValueError("setting 'heartbeat_s' must be below half of collective_timeout_s "
                              "(idle followers wait for it)")

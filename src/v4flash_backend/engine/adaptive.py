@@ -70,7 +70,27 @@ class AdaptivePolicy:
             t_draft = [cost.t_draft(r) for r in range(S + 1)]
         else:
             cal, t_draft = [[(0.0, 0.0)] * G] * S, [0.0] * (S + 1)
-        return dict(cal=cal, t_draft=t_draft, fixed_ell=[1 if decision == "probe" else -1] * S)
+        if decision == "probe" or self._explore:
+            fixed = [1 if decision == "probe" else self.settings.fixed_len] * S
+        else:  # admission, with the guard's floor as -1 - floor (-1: none; trn2.round_plan)
+            fixed = [-1 - f for f in self._guard_floors(seqs)]
+        return dict(cal=cal, t_draft=t_draft, fixed_ell=fixed)
+
+    def _guard_explores(self, decision: str) -> bool:
+        """Does this drafting step verify fixed_len drafts for the fixed-length guard (fixed_guard:
+        one step in EXPLORE_EVERY, so fixed's verify rows are measured)? Decided from a step counter,
+        before any draw."""
+        if not (self.guard is not None and decision == "draft" and self.adaptive
+                and self.settings.spec_mode == "dspark"):
+            return False
+        B_fixed = len(self.running) * (1 + self.guard.F)
+        return self.guard.explore(self.learner.measured(self.decode_path, B_fixed, drafting=True))
+
+    def _guard_floors(self, seqs: list[Seq]) -> list[int]:
+        """The fixed-length guard's floor on admitted drafts, per seq (its regime's; 0 without a guard)."""
+        if self.guard is None or not self.adaptive:
+            return [0] * len(seqs)
+        return [self.guard.floor(regime(s.req.temperature)) for s in seqs]
 
     # the stepping-aside estimate (README "Speculation that steps aside"): a request's acceptance
     # per position, its regime's observed rate as a prior worth PRIOR_BLOCKS blocks, then its own

@@ -26,8 +26,8 @@ The fitted temperatures are stored beside the checkpoint (`dspark_calibration.js
 and loaded by the engine; `python -m v4flash_backend.training.calibrate` fits them on held-out text.
 
 Dtypes: `Calibration.confidence`, which the engine's admission reads, computes in
-`precision.loop_dtype()` (fp32 under the kernels' numerics, as the static rounds'
-`calibrated_confidence` does in the graph); the fits (offline and the online refits) stay float64:
+`precision.loop_dtype()` (fp32 under the kernels' numerics) through `calibrated_confidence`, which the static
+rounds run in the graph; the fits (offline and the online refits) stay float64:
 they run on the host over observed logits and never inside a graph.
 """
 
@@ -259,6 +259,17 @@ def fit_conditional(logits: torch.Tensor, admitted: torch.Tensor, accepted: torc
     return params
 
 
+def calibrated_confidence(conf: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
+    """c [R, G] f32 from the head's logits [R, G]: sigmoid(logit / T_k + b_k) in `loop_dtype()` where
+    T > 0, the raw head's f32 sigmoid where T = 0 (the static rounds' input for dspark_adaptive off:
+    what the eager engine computes then). cal [R, G, 2]: (T_k, b_k) per row and position. No host
+    read: `Calibration.confidence` (eager) and the static draft graph both run this."""
+    dt = loop_dtype()
+    T, b = cal[..., 0].to(dt), cal[..., 1].to(dt)
+    scaled = torch.sigmoid(conf.to(dt) / torch.where(T > 0, T, torch.ones_like(T)) + b).float()
+    return torch.where(T > 0, scaled, torch.sigmoid(conf))
+
+
 @dataclass
 class Calibration:
     """Per-regime (T_k, b_k) of the confidence head ((1, 0) everywhere = uncalibrated)."""
@@ -272,9 +283,9 @@ class Calibration:
 
     def confidence(self, logits: torch.Tensor, regimes: list[str]) -> torch.Tensor:
         """c [R, G] = sigmoid(logits / T_k + b_k) with each row's regime."""
-        dt = loop_dtype()  # the static rounds' calibrated_confidence runs the same ops in the same dtype
-        p = torch.tensor([self.of(r) for r in regimes], dtype=dt).reshape(*logits.shape, 2)
-        return torch.sigmoid(logits.to(dt) / p[..., 0] + p[..., 1]).float()
+        # the static rounds run `calibrated_confidence` with this same [R, G, 2] input
+        cal = torch.tensor([self.of(r) for r in regimes], dtype=loop_dtype()).reshape(*logits.shape, 2)
+        return calibrated_confidence(logits, cal)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "gamma": self.gamma,

@@ -28,7 +28,14 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .sampling import Sampler, SamplingParams, TorchSampler, process_logits
+from .sampling import (
+    Sampler,
+    SamplingParams,
+    TorchSampler,
+    bernoulli_from_uniform,
+    categorical_from_uniform,
+    process_logits_static,
+)
 
 # Residual mass at or below this falls back to p (DeepSpec's rule). Exactly, the residual has
 # mass >= q(x) - p(x) > 0 whenever a rejection can happen; the fallback only guards rounding.
@@ -63,38 +70,70 @@ def markov_draft(U: torch.Tensor, anchor: torch.Tensor,
     logit_fn(k, z_k, drafted [R, k]) -> z_k': a logit processor of the target (min_tokens masking,
     penalties; drafted = x_1..x_k, the drafts before slot k) for the token at block slot k; applied
     before sampling, and block.z keeps the processed logits, so
-    the q verification divides by (and the residual subtracts) is the one x_k was drawn from."""
+    the q verification divides by (and the residual subtracts) is the one x_k was drawn from.
+
+    The host's adapter of `_draft` (the one implementation, which `markov_draft_static` runs with
+    the uniforms in the graph): the draws come from `sampler`; an all-greedy batch draws from no
+    sampler (each q is one-hot: its draw is its argmax)."""
     if U.dim() != 3 or U.shape[0] != anchor.shape[0] or len(params) != U.shape[0]:
         raise ValueError("U must be [R, G, V] with R = len(anchor) = len(params)")
-    R, G, V = U.shape
-    all_greedy = params.all_greedy()
-    sampler = sampler or TorchSampler()
-    prev = anchor.to(U.device, torch.int64)
     dtype = U.dtype if U.dtype in (torch.float32, torch.float64) else torch.float32
     if inplace and U.dtype != dtype:
         raise ValueError("inplace drafting needs fp32 or fp64 U")
-    z_all = U if inplace else torch.empty(R, G, V, dtype=dtype, device=U.device)
-    tokens = torch.empty(R, G, dtype=torch.int64, device=U.device)
-    prevs = torch.empty(R, G, dtype=torch.int64, device=U.device)
-    q_tok = torch.empty(R, G, dtype=dtype, device=U.device)
+    sampler = _POINT if params.all_greedy() else (sampler or TorchSampler())
+    params = params.to(U.device)
+    return _draft(U, anchor.to(U.device, torch.int64), bias_fn, params.temperature, params.top_k, params.top_p,
+                  lambda k, q: sampler.categorical(q).to(U.device), logit_fn, out=U if inplace else None,
+                  stages=params.stages(U.shape[2]))
+
+
+class _PointSampler:
+    """The draws of point masses (every row greedy): the one token with mass, acceptance iff certain.
+    Equal to any Sampler's draws on such rows (u < 1 always, u < 0 never), with no randomness spent."""
+
+    @staticmethod
+    def categorical(probs: torch.Tensor) -> torch.Tensor:
+        return probs.argmax(-1)
+
+    @staticmethod
+    def bernoulli(prob: torch.Tensor) -> torch.Tensor:
+        return prob >= 1
+
+
+_POINT = _PointSampler()
+
+
+def _draft(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable[[torch.Tensor], torch.Tensor],
+           temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           draw: Callable[[int, torch.Tensor], torch.Tensor], logit_fn=None,
+           out: Optional[torch.Tensor] = None, stages: Optional[dict] = None) -> DraftBlock:
+    """THE Markov drafting loop, fixed shapes and no host read: x_k = draw(k, q_k) [R] from
+    q_k = process_logits_static(z_k) (greedy rows are one-hot, so any draw gives their argmax).
+    out: a buffer [R, G, V] that receives z (inplace drafting), else z is stacked. stages: process_logits_static's
+    stage switches (`SamplingParams.stages`: the host adapter's; None: every stage, as in the graphs)."""
+    R, G, V = U.shape
+    dtype = U.dtype if U.dtype in (torch.float32, torch.float64) else torch.float32
+    prev = anchor
+    toks, prevs, qs, zs = [], [], [], []
     for k in range(G):
         z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
         if logit_fn is not None:
-            z = logit_fn(k, z, tokens[:, :k])
-        if all_greedy:
-            # the greedy path needs no distribution: q is one-hot at argmax (first on ties)
-            x = z.argmax(-1)
-            q_x = torch.ones(R, dtype=dtype, device=U.device)
-        else:
-            q = process_logits(z, params)
-            x = sampler.categorical(q).to(U.device)
-            q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
-        z_all[:, k] = z  # (is U[:, k] when inplace)
-        prevs[:, k] = prev
-        tokens[:, k] = x
-        q_tok[:, k] = q_x
+            z = logit_fn(k, z, torch.stack(toks, 1) if toks else prev[:, None][:, :0])
+        q = process_logits_static(z, temperature, top_k, top_p, **(stages or {}))
+        x = draw(k, q)
+        toks.append(x)
+        prevs.append(prev)
+        qs.append(q.gather(1, x.unsqueeze(1)).squeeze(1))
+        if out is not None:
+            out[:, k] = z
+        zs.append(z)
         prev = x
-    return DraftBlock(tokens=tokens, prev=prevs, q_token=q_tok, z=z_all)
+    if not G:
+        e = torch.empty(R, 0, dtype=torch.int64, device=U.device)
+        return DraftBlock(tokens=e, prev=e.clone(), q_token=torch.empty(R, 0, dtype=dtype, device=U.device),
+                          z=out if out is not None else torch.empty(R, 0, V, dtype=dtype, device=U.device))
+    return DraftBlock(tokens=torch.stack(toks, 1), prev=torch.stack(prevs, 1), q_token=torch.stack(qs, 1),
+                      z=out if out is not None else torch.stack(zs, 1))
 
 
 def verify_offsets(ell: torch.Tensor) -> torch.Tensor:
@@ -183,15 +222,14 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, ell: torch.
                   stop_ids: Optional[torch.Tensor] = None,
                   max_tokens: Optional[torch.Tensor] = None) -> VerifyResult:
     """Greedy verification: accept x_{i+1} iff it equals argmax of verify row i; the emitted
-    token after the accepted run is the target argmax. Output = the target's greedy tokens."""
-    ell = ell.to(drafts.device, torch.int64)
+    token after the accepted run is the target argmax. Output = the target's greedy tokens.
+    `verify` with T = 0 (greedy drafts have q(x) = 1; the residual never needs their z, since a
+    rejection's residual of a one-hot p is p itself, so a zero z stands in)."""
     R, G = drafts.shape
-    target = target_logits.argmax(-1)  # first index on ties, like plain greedy decoding
-    tgt = target[_gather_rows(ell, G)]  # [R, G+1]
-    ok = (drafts == tgt[:, :G]) & (torch.arange(G, device=drafts.device).unsqueeze(0) < ell.unsqueeze(1))
-    n_acc = torch.cumprod(ok.to(torch.int64), 1).sum(1)
-    final = tgt.gather(1, n_acc.unsqueeze(1)).squeeze(1)
-    return _finish(drafts, n_acc, final, ell, stop_ids, max_tokens)
+    V = target_logits.shape[-1]
+    block = DraftBlock(tokens=drafts, prev=drafts, q_token=torch.ones(R, G, dtype=torch.float64, device=drafts.device),
+                       z=torch.zeros(R, G, V, device=drafts.device))
+    return verify(target_logits, block, ell, SamplingParams.make(R, 0.0), stop_ids=stop_ids, max_tokens=max_tokens)
 
 
 def verify(target_logits: torch.Tensor, block: DraftBlock, ell: torch.Tensor, params: SamplingParams,
@@ -208,37 +246,61 @@ def verify(target_logits: torch.Tensor, block: DraftBlock, ell: torch.Tensor, pa
 
     Randomness per request per call: one bernoulli over [G] and one categorical draw whatever
     ell is, so a seeded request's generator advances identically in every batch (its tokens
-    still depend on ell, which the batch-wide admission sets)."""
+    still depend on ell, which the batch-wide admission sets); an all-greedy batch draws none.
+
+    The host's adapter of `_verify` (the one implementation, which `verify_static` runs with the
+    uniforms in the graph): the ragged rows are laid out as [R, G+1, V] (a request's rows past
+    ell_r repeat its last one and are never read)."""
     ell = ell.to(block.tokens.device, torch.int64)
     R, G = block.tokens.shape
     n_rows = int((1 + ell).sum())
     if target_logits.shape[0] != n_rows:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, layout needs {n_rows}")
-    if params.all_greedy():
-        return verify_greedy(target_logits, block.tokens, ell, stop_ids, max_tokens)
-    sampler = sampler or TorchSampler()
-    probs = process_logits(target_logits, params.repeat_interleave(1 + ell))  # p, row by row
-    rows = _gather_rows(ell, G)  # [R, G+1]
-    steps = torch.arange(G, device=ell.device).unsqueeze(0)
-    in_play = steps < ell.unsqueeze(1)
-    # p_i(x_{i+1}) for i < ell_r; beyond ell_r the clamped row is a placeholder masked below
-    p_tok = probs[rows[:, :G], block.tokens]
-    q_tok = block.q_token.to(probs.dtype)
+    sampler = _POINT if params.all_greedy() else (sampler or TorchSampler())
+    params = params.to(ell.device)
+    return _verify(target_logits[_gather_rows(ell, G)], block.tokens, block.q_token, block.z, ell,
+                   params.temperature, params.top_k, params.top_p,
+                   lambda p: sampler.bernoulli(p).to(ell.device), lambda d: sampler.categorical(d).to(ell.device),
+                   stop_ids, max_tokens, residual_eps, params.stages(target_logits.shape[1]))
+
+
+def _verify(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: torch.Tensor, z: torch.Tensor,
+            ell: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            bernoulli: Callable[[torch.Tensor], torch.Tensor], categorical: Callable[[torch.Tensor], torch.Tensor],
+            stop_ids: Optional[torch.Tensor], max_tokens: Optional[torch.Tensor],
+            residual_eps: float, stages: Optional[dict] = None) -> VerifyResult:
+    """THE lossless acceptance, fixed shapes and no host read: target_logits [S, G+1, V] (row i of
+    request s: the target after x_i; rows > ell[s] are ignored), drafts / q_token [S, G], z [S, G, V],
+    ell [S], params [S]; bernoulli(accept_prob [S, G]) and categorical(dist [S, V]) are the draws.
+    The residual is computed for every row and selected where a draft was rejected. stages: as in
+    `_draft`."""
+    S, G1, V = target_logits.shape
+    G = G1 - 1
+    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731 - params per verify row
+    probs = process_logits_static(target_logits.reshape(S * G1, V), rep(temperature), rep(top_k),
+                                  rep(top_p), **(stages or {})).view(S, G1, V)
+    steps = torch.arange(G1, device=ell.device)
+    rows = torch.minimum(steps[None, :], ell[:, None])  # [S, G+1] the clamped verify row of step i
+    in_play = steps[None, :G] < ell[:, None]
+    p_rows = probs.gather(1, rows[:, :G, None].expand(S, G, V))  # p_i for i < G (clamped)
+    p_tok = p_rows.gather(2, drafts.long()[:, :, None]).squeeze(2)
+    q_tok = q_token.to(probs.dtype)
     accept_prob = torch.clamp(p_tok / q_tok.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
     accept_prob = torch.where(in_play, accept_prob, torch.zeros_like(accept_prob))
-    acc = sampler.bernoulli(accept_prob).to(ell.device) & in_play
+    acc = bernoulli(accept_prob) & in_play
     n_acc = torch.cumprod(acc.to(torch.int64), 1).sum(1)
-    dist = probs[rows.gather(1, n_acc.unsqueeze(1)).squeeze(1)].clone()  # p at the final row
-    rejected = (n_acc < ell).nonzero().squeeze(1)
-    if rejected.numel():
-        k = n_acc[rejected]  # 0-based index of the rejected draft x_{k+1}
-        q_rej = process_logits(block.z[rejected, k], params.select(rejected))
-        p_rej = dist[rejected]
-        res = torch.clamp(p_rej - q_rej, min=0.0)
+    final_row = rows.gather(1, n_acc[:, None]).squeeze(1)
+    dist = probs.gather(1, final_row[:, None, None].expand(S, 1, V)).squeeze(1)  # p at the final row
+    if G:
+        k = n_acc.clamp_max(G - 1)  # 0-based index of the rejected draft x_{k+1} (where one was)
+        zk = z.gather(1, k[:, None, None].expand(S, 1, V)).squeeze(1)
+        q_rej = process_logits_static(zk, temperature, top_k, top_p, **(stages or {}))
+        res = torch.clamp(dist - q_rej, min=0.0)
         mass = res.sum(1, keepdim=True)
-        dist[rejected] = torch.where(mass > residual_eps, res / mass.clamp_min(residual_eps), p_rej)
-    final = sampler.categorical(dist).to(ell.device)
-    return _finish(block.tokens, n_acc, final, ell, stop_ids, max_tokens)
+        fixed = torch.where(mass > residual_eps, res / mass.clamp_min(residual_eps), dist)
+        dist = torch.where((n_acc < ell)[:, None], fixed, dist)
+    final = categorical(dist)
+    return _finish(drafts.long(), n_acc, final, ell, stop_ids, max_tokens)
 
 
 def commit_stats(results: Sequence[VerifyResult]) -> dict:
@@ -254,74 +316,28 @@ def commit_stats(results: Sequence[VerifyResult]) -> dict:
 
 
 # ---- the static graphs' forms (no host reads, fixed shapes) -----------------------------------------
-# These compute what `markov_draft` / `verify` compute with a Sampler that hands out the uniforms
-# u (noise.CounterSampler does), row by row bit for bit, but over a fixed bucket of S requests with
-# no data-dependent shapes or branches: the decode graphs of trn2/static_round.py run them inside the
-# graph, and tests/test_dspark_lossless.py checks them against the host functions above.
+# `_draft` / `_verify` with the draws taken from uniforms u (what noise.CounterSampler hands the host
+# adapters above), over a fixed bucket of S requests: the decode graphs of trn2/static_round.py run
+# them inside the graph; tests/test_dspark_lossless.py and tests/test_static_round.py check them
+# against the host adapters.
 
 def markov_draft_static(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable[[torch.Tensor], torch.Tensor],
                         temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                         u: torch.Tensor, logit_fn=None) -> DraftBlock:
-    """`markov_draft` with uniforms u [S, G] (column k: the draw of x_{k+1}). Every row takes the
+    """`_draft` with uniforms u [S, G] (column k: the draw of x_{k+1}). Every row takes the
     sampling path (greedy rows are one-hot under process_logits, so they draw their argmax).
     logit_fn(k, z_k, drafted [S, k]): as in markov_draft (a static form: no host reads)."""
-    from .sampling import categorical_from_uniform, process_logits_static
-
-    S, G, V = U.shape
-    dtype = U.dtype if U.dtype in (torch.float32, torch.float64) else torch.float32
-    prev = anchor.long()
-    toks, prevs, qs, zs = [], [], [], []
-    for k in range(G):
-        z = U[:, k].to(dtype) + bias_fn(prev).to(dtype)
-        if logit_fn is not None:
-            z = logit_fn(k, z, torch.stack(toks, 1) if toks else prev[:, None][:, :0])
-        q = process_logits_static(z, temperature, top_k, top_p)
-        x = categorical_from_uniform(q, u[:, k])
-        toks.append(x)
-        prevs.append(prev)
-        qs.append(q.gather(1, x.unsqueeze(1)).squeeze(1))
-        zs.append(z)
-        prev = x
-    return DraftBlock(tokens=torch.stack(toks, 1), prev=torch.stack(prevs, 1), q_token=torch.stack(qs, 1),
-                      z=torch.stack(zs, 1))
+    return _draft(U, anchor.long(), bias_fn, temperature, top_k, top_p,
+                  lambda k, q: categorical_from_uniform(q, u[:, k]), logit_fn)
 
 
 def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: torch.Tensor, z: torch.Tensor,
                   ell: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   u_accept: torch.Tensor, u_final: torch.Tensor, stop_ids: torch.Tensor,
                   max_tokens: torch.Tensor, residual_eps: float = RESIDUAL_EPS) -> VerifyResult:
-    """`verify` over a bucket: target_logits [S, G+1, V] (row i of request s: the target after
-    x_i; rows > ell[s] are ignored), drafts / q_token [S, G], z [S, G, V], ell [S], params [S],
-    u_accept [S, G] (the bernoulli draws), u_final [S] (the final / residual / bonus draw),
-    stop_ids [S, W] (-1 padded), max_tokens [S]. The residual is computed for every row and
-    selected where a draft was rejected."""
-    from .sampling import categorical_from_uniform, process_logits_static
-
-    S, G1, V = target_logits.shape
-    G = G1 - 1
-    ell = ell.long()
-    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731 - params per verify row
-    probs = process_logits_static(target_logits.reshape(S * G1, V), rep(temperature), rep(top_k),
-                                  rep(top_p)).view(S, G1, V)
-    steps = torch.arange(G1, device=ell.device)
-    rows = torch.minimum(steps[None, :], ell[:, None])  # [S, G+1] the clamped verify row of step i
-    in_play = steps[None, :G] < ell[:, None]
-    p_rows = probs.gather(1, rows[:, :G, None].expand(S, G, V))  # p_i for i < G (clamped)
-    p_tok = p_rows.gather(2, drafts.long()[:, :, None]).squeeze(2)
-    q_tok = q_token.to(probs.dtype)
-    accept_prob = torch.clamp(p_tok / q_tok.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
-    accept_prob = torch.where(in_play, accept_prob, torch.zeros_like(accept_prob))
-    acc = (u_accept < accept_prob.to(u_accept.dtype)) & in_play  # as CounterSampler.bernoulli: in the noise's dtype
-    n_acc = torch.cumprod(acc.to(torch.int64), 1).sum(1)
-    final_row = rows.gather(1, n_acc[:, None]).squeeze(1)
-    dist = probs.gather(1, final_row[:, None, None].expand(S, 1, V)).squeeze(1)  # p at the final row
-    k = n_acc.clamp_max(G - 1) if G else n_acc
-    if G:
-        zk = z.gather(1, k[:, None, None].expand(S, 1, V)).squeeze(1)
-        q_rej = process_logits_static(zk, temperature, top_k, top_p)
-        res = torch.clamp(dist - q_rej, min=0.0)
-        mass = res.sum(1, keepdim=True)
-        fixed = torch.where(mass > residual_eps, res / mass.clamp_min(residual_eps), dist)
-        dist = torch.where((n_acc < ell)[:, None], fixed, dist)
-    final = categorical_from_uniform(dist, u_final)
-    return _finish(drafts.long(), n_acc, final, ell, stop_ids, max_tokens)
+    """`_verify` over a bucket: target_logits [S, G+1, V], u_accept [S, G] (the bernoulli draws,
+    compared in the noise's dtype as CounterSampler.bernoulli does), u_final [S] (the final /
+    residual / bonus draw), stop_ids [S, W] (-1 padded), max_tokens [S]."""
+    return _verify(target_logits, drafts, q_token, z, ell.long(), temperature, top_k, top_p,
+                   lambda p: bernoulli_from_uniform(p, u_accept), lambda d: categorical_from_uniform(d, u_final),
+                   stop_ids, max_tokens, residual_eps)

@@ -26,6 +26,7 @@ class EagerStep:
                                                                      if s.n_cached + n == len(s.req.prompt)]
         decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
         self._kind = KIND_OF[decision]
+        self._explore = self._guard_explores(decision)
         want_taps = self.spec and (decision != "skip" or bool(prefill))
         out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
                                   want_taps)
@@ -144,21 +145,27 @@ class EagerStep:
         c = None
         if self.adaptive and self.settings.spec_mode == "dspark":
             c = self._calibrated(seqs, conf_logits)
+        adm = "admit"
         if self.settings.spec_mode == "fixed":
-            ell = admit_fixed(len(seqs), self.settings.fixed_len, self.gamma)
+            ell, adm = admit_fixed(len(seqs), self.settings.fixed_len, self.gamma), "fixed"
         elif decision == "probe":  # one draft each, fixed before the draws: refreshes the acceptance seen
-            ell = admit_fixed(len(seqs), 1, self.gamma)
+            ell, adm = admit_fixed(len(seqs), 1, self.gamma), "probe"
             self.totals["draft_probes"] += 1
+        elif self._explore:  # the guard's fixed-length step (fixed_guard), fixed before the draws
+            ell, adm = admit_fixed(len(seqs), self.settings.fixed_len, self.gamma), "explore"
         else:
             if c is not None:
                 ell = admit(c, self.ensure_cost().sps_for(len(seqs)))
+                floor = self._guard_floors(seqs)  # the fixed-length guard's floor (fixed_guard): before any draw
+                if any(floor):
+                    ell = torch.maximum(ell, torch.tensor(floor, dtype=ell.dtype))
             else:  # the head as it is and the forward's steps/s: what the static rounds compute
                 ell = admit(torch.sigmoid(conf_logits), self.ensure_cost().forward_for(len(seqs)))
         ell = torch.minimum(ell, room)
         for i, s in enumerate(seqs):
             s.draft = (block.tokens[i], block.prev[i], block.q_token[i], block.z[i])
             s.conf_logits = conf_logits[i].detach()
-            s.ell = int(ell[i])
+            s.ell, s.adm = int(ell[i]), adm
             s.drafted += self.gamma
         self.totals["drafted"] += self.gamma * len(seqs)
 

@@ -29,12 +29,15 @@ from v4flash_backend.trn2.round_plan import STOP_WIDTH
 
 from .adaptive import AdaptivePolicy
 from .eager_step import EagerStep
+from .fixed_guard import FixedGuard
 from .logits import LogitProcessing
+from .prefix_cache import PrefixCache
 from .round_step import StaticRoundStep
 from .runner import Runner
 from .seq import CONTEXT_IDS, KIND_OF, ON_DEVICE, STEP_KINDS, Event, Seq
 from .stats import EngineStats
 from .step_cost import StepCost
+from .step_learn import StepCostLearner
 from .step_profile import StepProfiler
 from .validation import check_request
 
@@ -72,10 +75,19 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         # stats after its final event sees that step's accounting (the event is sent mid-step)
         self.step_lock = threading.RLock()
         self.cost: StepCost | None = None
-        self.clock = clock  # the step-cost profile's timer (step_profile.StepProfiler)
+        self.clock = clock  # the step-cost profile's and the decode steps' timer (step_profile, step_learn)
+        # every decode step's measured seconds enter the learner (step_learn); with step_cost_online
+        # admission reads the learned cost and the fixed-length guard (fixed_guard) watches admission
+        self.learner = StepCostLearner()
+        self.learn_admit = self.settings.step_cost_online
+        self.guard = (FixedGuard(self.settings.fixed_len, self.gamma)
+                      if self.spec and self.settings.step_cost_online else None)
+        self._explore = False  # the step in progress drafts a fixed length for the guard (fixed_guard)
+        self._step_blocks: list = []  # the step's verified blocks that admission chose (the guard's input)
         self._init_stats()
         self._kind = "draft"  # the decision of the step in progress
         self._seed_gen = torch.Generator().manual_seed(int(time.time_ns()) & ((1 << 62) - 1))
+        self.prefix = PrefixCache(runner, self.settings.prefix_cache_bytes)
 
     @property
     def spec(self) -> bool:
@@ -139,6 +151,21 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             self.ensure_cost()
 
     def ensure_cost(self) -> StepCost:
+        """The step cost admission reads: the learned one (step_learn) over the profile with
+        step_cost_online, else the profile."""
+        prior = self.prior_cost()
+        return self.learned_cost() if self.learn_admit else prior
+
+    @property
+    def decode_path(self) -> str:
+        """eager | static: the decode steps this engine's runner runs (the learner's cells by path)."""
+        return "static" if self.runner.static_rounds else "eager"
+
+    def learned_cost(self) -> StepCost:
+        """The profile corrected by the measured decode steps of this runner's path (step_learn)."""
+        return self.learner.view(self.prior_cost(), self.decode_path, 1 + self.gamma)
+
+    def prior_cost(self) -> StepCost:
         """The step cost, profiled once (step_profile.StepProfiler on this engine's clock) on the free
         slots and the scratch slot, or loaded from sps_file; a profile it timed is saved there."""
         if self.cost is not None:
@@ -200,12 +227,45 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
                                 error_code="UNAVAILABLE"))
         for s in new:
             self.runner.reset_slot(s.slot)
+            self.prefix.admit(s)  # the longest cached prefix of its prompt into the slot
             s.seed = int(s.req.seed) if s.req.seed is not None else int(
                 torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
             self.running.append(s)
             self.totals["prompt_tokens"] += len(s.req.prompt)
 
     def _step_running(self) -> None:
+        """One step; a decode-only step's seconds (the engine's clock) feed the step-cost learner and
+        the fixed-length guard (`_learn_step`)."""
+        timed = self.spec and not any(s.prefilling for s in self.running)
+        if not timed:
+            return self._run_step()
+        B, S, drafted0 = sum(1 + s.ell for s in self.running), len(self.running), self.totals["drafted"]
+        static = self._static_ok()
+        self._step_blocks = []
+        t0 = self.clock()
+        self._run_step()
+        seconds = self.clock() - t0
+        self._learn_step("static" if static else "eager", B, S, (self.totals["drafted"] - drafted0) // self.gamma,
+                         seconds)
+
+    def _learn_step(self, path: str, B: int, S: int, R: int, seconds: float) -> None:
+        """The guard first (the step's blocks against fixed-length drafting, priced by the learned cost
+        before this step enters it, once fixed's row count is measured: before, the learned cost
+        there is the profile under suspicion, extrapolated), then the learner."""
+        prior = self.cost
+        if prior is None:
+            return
+        blocks, self._step_blocks = self._step_blocks, []
+        if self.guard is not None and blocks and path == self.decode_path:
+            view = self.learned_cost()
+            F = self.guard.F
+            B_fixed = B + sum(max(0, min(F, room)) - ell for _, ell, _, _, room in blocks)
+            if self.learner.measured(path, B_fixed, drafting=True):
+                self.guard.observe_step(blocks, seconds, float(view.t_step(B, S, R)),
+                                        float(view.t_step(B_fixed, S, R)), S)
+        self.learner.observe(path, B, S, R, seconds, prior)
+
+    def _run_step(self) -> None:
         if self._static_ok():
             return self._step_static()
         before = dict(self.runner.counters)
@@ -215,7 +275,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         decode_only = not any(s.prefilling for s in self.running)
         if decode_only and self.runner.static_rounds:
             self.decode_totals["static_fallback_steps"] += 1  # a decode step the static rounds did not take
+        prefilling = self.prefix.prefilling(self.running)
         self._step_eager()
+        self.prefix.after_step(self.running, prefilling)  # entries at the prefills' new boundaries
         if decode_only:
             self._count_step(before)
         else:
@@ -235,7 +297,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             reason = "length"
         s.finish = reason
         self._emit(s.req, Event(s.req.id, new, ctx, finish_reason=reason, num_prompt_tokens=len(s.req.prompt),
-                                num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted,
+                                num_cached_tokens=s.num_cached_tokens, num_output_tokens=s.n_out,
+                                drafted=s.drafted, admitted=s.admitted,
                                 accepted=s.accepted, verify_steps=s.verify_steps, logprobs=logprobs))
 
     @staticmethod
@@ -249,6 +312,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self.running = [s for s in self.running if not self._done(s)]
 
     def _release(self, s: Seq) -> None:
+        self.prefix.release(s)
         with self.lock:
             self.free.append(s.slot)
             self.free.sort()
@@ -261,8 +325,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             self._release(s)
         s.finish = reason or "error"
         self._emit(s.req, Event(s.req.id, [], [], finish_reason=reason, error=error, error_code=code,
-                                num_prompt_tokens=len(s.req.prompt), num_output_tokens=s.n_out,
-                                drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
+                                num_prompt_tokens=len(s.req.prompt), num_cached_tokens=s.num_cached_tokens,
+                                num_output_tokens=s.n_out, drafted=s.drafted, admitted=s.admitted, accepted=s.accepted,
                                 verify_steps=s.verify_steps))
 
     def _emit(self, r: GenerateRequest, e: Event) -> None:

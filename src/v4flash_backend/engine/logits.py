@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from .logit_proc import draft_logit_fn, process_verify_rows
 from .noise import CounterSampler
 from .precision import loop_dtype
-from .sampling import LOGPROB_WIDTH, SamplingParams, apply_penalties, mask_stop_tokens, token_logprobs
+from .sampling import LOGPROB_WIDTH, SamplingParams, token_logprobs
 from .seq import Seq
 
 
@@ -24,50 +25,45 @@ class LogitProcessing:
     # ---- logit processing shared by drafts and verification ---------------------------------------
     def _process_target(self, logits: torch.Tensor, seqs: list[Seq], positions: list[list[int]]) -> torch.Tensor:
         """The target's logit processors on verify rows: request i's rows predict its output tokens
-        positions[i] (rows in request order); row j of a decoding request follows its committed
-        output and its first j admitted drafts. The draft slots that predict the same positions go
-        through the same function (_draft_logit_fn), which keeps DSpark lossless under them."""
+        positions[i] (consecutive; rows in request order); row j of a decoding request follows its
+        committed output and its first j admitted drafts. The ragged rows are padded to [R, n, V],
+        run through `logit_proc.process_verify_rows` (the static rounds' function) and unpadded. The
+        draft slots that predict the same positions go through `_draft_logit_fn`, the same
+        processors, which keeps DSpark lossless under them."""
         if not self._processed(seqs):
             return logits
-        counts = [len(p) for p in positions]
-        if any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs):
-            rows = []
-            for s, ps in zip(seqs, positions):
-                base = self._output_counts(s)
-                drafts = s.draft[0][: len(ps) - 1] if len(ps) > 1 else torch.zeros(0, dtype=torch.long)
-                before = torch.nn.functional.one_hot(drafts, base.shape[0]).cumsum(0).to(base.dtype)
-                rows.append(torch.cat([base.unsqueeze(0), base + before], 0)[: len(ps)])
-            rep = torch.tensor(counts)
-            logits = apply_penalties(logits, torch.cat(rows, 0),
-                                     torch.tensor([s.req.frequency_penalty for s in seqs]).repeat_interleave(rep),
-                                     torch.tensor([s.req.presence_penalty for s in seqs]).repeat_interleave(rep))
-        if any(s.req.min_tokens for s in seqs):
-            stop = self._stop_ids(seqs).repeat_interleave(torch.tensor(counts), 0)
-            active = torch.tensor([pos < s.req.min_tokens for s, ps in zip(seqs, positions) for pos in ps])
-            logits = mask_stop_tokens(logits, stop, active)
-        return logits
+        dev = logits.device
+        counts = torch.tensor([len(p) for p in positions], device=dev)
+        n = max(len(p) for p in positions)
+        steps = torch.arange(n, device=dev)[None, :]
+        grid = (torch.cumsum(counts, 0) - counts)[:, None] + torch.minimum(steps, counts[:, None] - 1)  # clamped
+        drafts = torch.zeros(len(seqs), n - 1, dtype=torch.long)
+        for i, (s, ps) in enumerate(zip(seqs, positions)):
+            if len(ps) > 1:
+                drafts[i, :len(ps) - 1] = s.draft[0][:len(ps) - 1]
+        proc = self._proc_inputs(seqs, dev)
+        proc["n_out"] = torch.tensor([ps[0] for ps in positions], device=dev)
+        out = process_verify_rows(logits[grid], proc["base"], drafts.to(dev), proc["stop_ids"], proc)
+        return out[(steps < counts[:, None]).reshape(-1)]
 
     def _draft_logit_fn(self, seqs: list[Seq]):
         """Draft slot k of request i predicts its output token n_out + k after its committed output
-        and drafts x_1..x_k: the same processors as the verify row that will check it (None when no
-        request needs any)."""
+        and drafts x_1..x_k: the same processors as the verify row that will check it
+        (`logit_proc.draft_logit_fn`, as the static rounds; None when no request needs any)."""
         if not self._processed(seqs):
             return None
-        stop = self._stop_ids(seqs)
-        n_out = torch.tensor([s.n_out for s in seqs])
-        min_tokens = torch.tensor([s.req.min_tokens for s in seqs])
-        penalised = any(s.req.frequency_penalty or s.req.presence_penalty for s in seqs)
-        base = torch.stack([self._output_counts(s) for s in seqs]) if penalised else None
-        freq = torch.tensor([s.req.frequency_penalty for s in seqs])
-        pres = torch.tensor([s.req.presence_penalty for s in seqs])
+        proc = self._proc_inputs(seqs)  # on the host: the processors move what they need to z's device
+        return draft_logit_fn(proc["base"], torch.tensor([s.n_out for s in seqs]), proc)
 
-        def fn(k, z, drafted):
-            if penalised:
-                counts = base + torch.nn.functional.one_hot(drafted, base.shape[1]).sum(1).to(base.dtype)
-                z = apply_penalties(z, counts, freq, pres)
-            return mask_stop_tokens(z, stop, n_out + k < min_tokens)
-
-        return fn
+    def _proc_inputs(self, seqs: list[Seq], device=None) -> dict:
+        """The processors' per-request tensors, as a static round's plan packs them (on `device`)."""
+        dt = loop_dtype()
+        proc = dict(base=torch.stack([self._output_counts(s) for s in seqs]),
+                    min_tokens=torch.tensor([s.req.min_tokens for s in seqs]),
+                    frequency=torch.tensor([float(s.req.frequency_penalty) for s in seqs], dtype=dt),
+                    presence=torch.tensor([float(s.req.presence_penalty) for s in seqs], dtype=dt),
+                    stop_ids=self._stop_ids(seqs))
+        return proc if device is None else {k: v.to(device) for k, v in proc.items()}
 
     @staticmethod
     def _processed(seqs: list[Seq]) -> bool:

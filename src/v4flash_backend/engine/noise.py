@@ -117,7 +117,8 @@ def call_uniforms(seed, rnd, stream: int, call: int, n: int | None, dtype: torch
     """The uniforms of Sampler call number `call`: [R] (n None, a categorical) or [R, n]."""
     dev = seed.device
     if n is None:
-        return uniforms(seed, rnd, stream, torch.tensor(call * CALL_STRIDE, dtype=torch.int32, device=dev), dtype)
+        # a fill, not torch.tensor(..., device=dev): that is a host-to-device copy inside the step
+        return uniforms(seed, rnd, stream, torch.full((), call * CALL_STRIDE, dtype=torch.int32, device=dev), dtype)
     if n > CALL_STRIDE:
         raise ValueError(f"at most {CALL_STRIDE} draws per call")
     return uniforms(seed, rnd, stream, call * CALL_STRIDE + torch.arange(n, dtype=torch.int32, device=dev), dtype)
@@ -144,5 +145,6 @@ class CounterSampler:
         return categorical_from_uniform(probs, self._next(None).to(probs.device))
 
     def bernoulli(self, prob: torch.Tensor) -> torch.Tensor:
-        u = self._next(prob.shape[1]).to(prob.device)
-        return u < prob.to(u.dtype)
+        from .sampling import bernoulli_from_uniform
+
+        return bernoulli_from_uniform(prob, self._next(prob.shape[1]).to(prob.device))

@@ -36,6 +36,7 @@ class StaticRoundStep:
         seqs = list(self.running)
         decision = self._drafting_decision(seqs) if self.spec else "draft"
         self._kind = KIND_OF[decision]
+        self._explore = self._guard_explores(decision)
         dspark = self.spec and self.settings.spec_mode == "dspark"
         processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs)
         self._sync_round_state(seqs, processed)
@@ -111,6 +112,8 @@ class StaticRoundStep:
             self.totals["draft_skipped"] += 1
             return False
         s.ell, s.draft = nxt, ON_DEVICE
+        s.adm = ("probe" if decision == "probe" else "explore" if self._explore else "admit") \
+            if self.settings.spec_mode == "dspark" else "fixed"
         s.conf_logits = row.confidence()
         s.drafted += self.gamma
         self.totals["drafted"] += self.gamma

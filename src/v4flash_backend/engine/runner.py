@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from v4flash_backend.model.dspark import DraftOutput, DSparkDrafter
+from v4flash_backend.model.snapshot import SnapshotStore
 from v4flash_backend.model.state import ModelState, make_segments
 from v4flash_backend.model.transformer import StepOutput, V41Model
 from v4flash_backend.trn2.round_plan import RoundPlan
@@ -62,6 +63,16 @@ class Runner(Protocol):
     def set_counts(self, slot: int, generated) -> None:
         """The slot's generated-token counts (the penalties' input) set from `generated`."""
 
+    def save_prefix(self, slot: int, entry: int, p: int, q0: int) -> int:
+        """Keep the slot's state at boundary p as prefix-cache entry `entry` (extending the entry of
+        boundary q0); returns its bytes on this rank (model.snapshot)."""
+
+    def load_prefix(self, slot: int, chain: list[int]) -> None:
+        """Restore the entries of a chain (root first) into the (reset) slot."""
+
+    def drop_prefix(self, entries: list[int]) -> None:
+        """Free prefix-cache entries."""
+
 
 class LocalRunner:
     """The eager (op-by-op) runner. `counters` count what a device would see: graph executions
@@ -87,6 +98,7 @@ class LocalRunner:
         self.drafter = DSparkDrafter(model) if model.cfg.dspark_block_size else None
         self.last_taps: torch.Tensor | None = None
         self.counters = dict(graph_executions=0, host_syncs=0, host_to_device_bytes=0)
+        self.snapshots = SnapshotStore()  # the prefix cache's entries of this rank (engine.prefix_cache)
 
     def _count(self, syncs: int, h2d: int, graphs: int = 0) -> None:
         c = self.counters
@@ -125,6 +137,15 @@ class LocalRunner:
             out = d.draft(self.state, items) if items else None
         self._count(hs.total + (out is not None), h2d)
         return out
+
+    def save_prefix(self, slot: int, entry: int, p: int, q0: int) -> int:
+        return self.snapshots.save(self.state, slot, entry, p, q0)
+
+    def load_prefix(self, slot: int, chain: list[int]) -> None:
+        self.snapshots.load(self.state, slot, chain)
+
+    def drop_prefix(self, entries: list[int]) -> None:
+        self.snapshots.drop(entries)
 
     # no static rounds here (static_rounds is False): the engine never calls the methods below on
     # this runner; a runner with static rounds (trn2.static_runner.StaticRunner) overrides them

@@ -29,6 +29,8 @@ LOGPROB_WIDTH = 20
 
 
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if isinstance(value, (int, float, bool)):  # a fill: as_tensor on a device would copy from the host
+        return torch.full((n,), value, dtype=dtype, device=device)
     t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.dim() == 0:
         t = t.expand(n).clone()
@@ -81,6 +83,15 @@ class SamplingParams:
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
 
+    def stages(self, vocab: int) -> dict:
+        """The host adapters' knowledge of the batch, as `process_logits_static`'s `filters` /
+        `sampled` arguments (host reads): whether any row's top-k / top-p filters anything, whether
+        any row samples (is not greedy). The stages no row needs are left out: their cost, not their
+        result, which is the same bits either way."""
+        greedy = self.greedy
+        k = (self.top_k > 0) & (self.top_k < vocab)
+        return dict(filters=bool(((k | (self.top_p < 1)) & ~greedy).any()), sampled=not bool(greedy.all()))
+
     def select(self, index: torch.Tensor) -> "SamplingParams":
         """Rows `index` (a long index tensor or bool mask)."""
         return SamplingParams(self.temperature[index], self.top_k[index], self.top_p[index])
@@ -104,74 +115,60 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, use_k: torch.Tensor,
-                        top_p: torch.Tensor, use_p: torch.Tensor, branch_free: bool = False) -> torch.Tensor:
+                        top_p: torch.Tensor, use_p: torch.Tensor) -> torch.Tensor:
     """Set filtered-out logits to -inf. One stable descending sort serves both filters, so the
-    kept set is a deterministic function of the logits (ties broken by token id).
-    branch_free: apply both filters to every row (a row that does not filter keeps all: k = V,
-    no top-p drop), with no host read of use_k / use_p -- the static graphs' form; row by row
-    the result is the same."""
+    kept set is a deterministic function of the logits (ties broken by token id). Both filters run
+    on every row with no host read of use_k / use_p: a row that does not filter keeps all (k = V,
+    no top-p drop), so it comes back bit for bit as it went in."""
     n, v = x.shape
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    keep = torch.ones_like(sorted_x, dtype=torch.bool)
-    if branch_free or bool(use_k.any()):
-        k = torch.where(use_k, top_k, torch.full_like(top_k, v)).clamp(1, v)
-        kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
-        keep &= sorted_x >= kth  # keep every token tied with the k-th logit
-    if branch_free or bool(use_p.any()):
-        probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-        # exclusive cumulative mass: the mass strictly ahead of each token in sorted order
-        before = torch.cumsum(probs, dim=-1) - probs
-        before[:, 0] = 0  # the top token is always kept, exactly
-        drop = use_p.unsqueeze(1) & (before >= top_p.to(x.dtype).unsqueeze(1))
-        keep &= ~drop
+    k = torch.where(use_k, top_k, torch.full_like(top_k, v)).clamp(1, v)
+    kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+    keep = sorted_x >= kth  # keep every token tied with the k-th logit
+    probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+    # exclusive cumulative mass: the mass strictly ahead of each token in sorted order
+    before = torch.cumsum(probs, dim=-1) - probs
+    before[:, 0] = 0  # the top token is always kept, exactly
+    drop = use_p.unsqueeze(1) & (before >= top_p.to(x.dtype).unsqueeze(1))
+    keep &= ~drop
     filtered = sorted_x.masked_fill(~keep, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, filtered)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [N, V] each row is sampled from: softmax(top_p(top_k(logits / T))); greedy
-    rows are one-hot at argmax(logits) (first index on ties). fp64 in -> fp64 out, else fp32."""
+    rows are one-hot at argmax(logits) (first index on ties). fp64 in -> fp64 out, else fp32.
+    The host's adapter of `process_logits_static` (the one implementation)."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows of params")
-    x = logits.to(_work_dtype(logits))
-    n, v = x.shape
-    params = params.to(x.device)
-    greedy = params.greedy
-    temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature).to(x.dtype)
-    x = x / temp.unsqueeze(1)
-    use_k = (params.top_k > 0) & (params.top_k < v) & ~greedy
-    use_p = (params.top_p < 1) & ~greedy
-    filt = use_k | use_p
-    if bool(filt.all()):
-        x = _filter_top_k_top_p(x, params.top_k, use_k, params.top_p, use_p)
-    elif bool(filt.any()):  # sort only the rows that filter (row-wise op: same result per row)
-        rows = filt.nonzero().squeeze(1)
-        x = x.index_copy(0, rows, _filter_top_k_top_p(x[rows], params.top_k[rows], use_k[rows],
-                                                       params.top_p[rows], use_p[rows]))
-    probs = torch.softmax(x, dim=-1)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), onehot, probs)
-    return probs
+    params = params.to(logits.device)
+    return process_logits_static(logits, params.temperature, params.top_k, params.top_p,
+                                 **params.stages(logits.shape[1]))
 
 
 def process_logits_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                          top_p: torch.Tensor) -> torch.Tensor:
-    """`process_logits` without host reads (no `bool(...)` on the params, no row subsets): the
-    form the static decode graphs run. logits [N, V]; temperature (`loop_dtype`) / top_k / top_p [N].
-    Row by row it computes the same values as `process_logits` (every row goes through the
-    filters, which keep everything for a row that does not filter; greedy rows are one-hot), so
-    eager serving and the graphs sample from bit-identical distributions (tests/test_sampling.py)."""
+                          top_p: torch.Tensor, filters: bool = True, sampled: bool = True) -> torch.Tensor:
+    """THE sampling transform, with no host reads (no `bool(...)` on the params, no row subsets):
+    the static decode graphs run it as it is and the host calls it through `process_logits`, so
+    eager serving and the graphs sample from bit-identical distributions. logits [N, V];
+    temperature (`loop_dtype`) / top_k / top_p [N]. Every row goes through the filters (which keep
+    everything for a row that does not filter); greedy rows are one-hot.
+    A caller that knows no row filters (filters=False) or every row is greedy (sampled=False:
+    `SamplingParams.stages`) leaves out that stage -- the identity, bit for bit, on such rows -- and
+    with it its cost (the sort; the softmax). The graphs run every stage."""
     x = logits.to(_work_dtype(logits))
+    onehot = torch.zeros(x.shape, dtype=x.dtype, device=x.device).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if not sampled:
+        return onehot
     v = x.shape[1]
     greedy = temperature < GREEDY_TEMPERATURE
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
     x = x / temp.unsqueeze(1)
     use_k = (top_k > 0) & (top_k < v) & ~greedy
     use_p = (top_p < 1) & ~greedy
-    x = _filter_top_k_top_p(x, top_k, use_k, top_p, use_p, branch_free=True)
+    if filters:
+        x = _filter_top_k_top_p(x, top_k, use_k, top_p, use_p)
     probs = torch.softmax(x, dim=-1)
-    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(1), onehot, probs)
 
 
@@ -187,6 +184,12 @@ def categorical_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tens
     v = probs.shape[1]
     last_positive = v - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
     return torch.minimum(idx, last_positive)
+
+
+def bernoulli_from_uniform(prob: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """True where u < prob (u in [0, 1) of the noise's dtype; prob compared in that dtype): the
+    acceptance draw of noise.CounterSampler (eager) and of dspark_accept.verify_static (graphs)."""
+    return u < prob.to(u.dtype)
 
 
 class Sampler(Protocol):
@@ -259,22 +262,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, sampler: Optional[Sampl
 # ---- logit processors and log-probabilities ---------------------------------------------------
 # A logit processor changes the target distribution itself (vLLM's logits processors run before
 # temperature / top-k / top-p). DSpark stays lossless only if the draft rows and the verify rows
-# that predict the same output position go through the same processor: the engine applies these
-# functions to both (engine._min_tokens_fn, Engine._step_running), and markov_draft stores the
+# that predict the same output position go through the same processor: logit_proc builds both
+# from these functions (the eager engine and the static rounds alike), and markov_draft stores the
 # processed draft logits so the residual uses the q the drafts were drawn from.
 
 
 def mask_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """vLLM's min_tokens: on rows where `active` [N] is true, the ids of `stop_ids` [N, S] (-1 pads)
-    get logit -inf, so neither EOS nor a stop token id can be generated there. Returns a new tensor."""
-    if not bool(active.any()) or stop_ids.numel() == 0:
-        return logits
+    """vLLM's min_tokens: on rows where `active` [N] is true, the ids of `stop_ids` [N, W] (-1 pads)
+    get logit -inf, so neither EOS nor a stop token id can be generated there. Returns a new tensor.
+    No host read (a scatter into one spare column takes the pads and the inactive rows): the eager
+    path and the static rounds run this same function."""
+    V = logits.shape[-1]
     active = active.to(logits.device)
     stop_ids = stop_ids.to(logits.device)
-    hit = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    valid = (stop_ids >= 0) & active.unsqueeze(1)
-    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1).expand_as(stop_ids)
-    hit[rows[valid], stop_ids[valid]] = True
+    idx = torch.where((stop_ids >= 0) & active[:, None], stop_ids, V)
+    hit = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device).scatter(1, idx, True)[:, :V]
     return logits.masked_fill(hit, float("-inf"))
 
 
@@ -294,14 +296,23 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.T
     log(process_logits(logits, params)) (after temperature, top-k, top-p). Greedy rows, whose
     sampling distribution is a point mass, report log_softmax of the logits (T = 1, unfiltered).
     Returns (logprob [N] in `loop_dtype()`, rank [N] (1 = most likely), top_ids [N, top_n], top_logprob
-    [N, top_n]); tokens outside the filtered support of the top_n alternatives have -inf. The static
-    rounds' form is trn2/static_round.logprobs_pack (the same ops in the same dtype)."""
+    [N, top_n]); tokens outside the filtered support of the top_n alternatives have -inf. The host's
+    adapter of `token_logprobs_static`."""
+    params = params.to(logits.device)
+    return token_logprobs_static(logits, params.temperature, params.top_k, params.top_p,
+                                 tokens.to(logits.device, torch.int64), top_n, **params.stages(logits.shape[1]))
+
+
+def token_logprobs_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, tokens: torch.Tensor, top_n: int, filters: bool = True,
+                          sampled: bool = True):
+    """THE log-prob computation (no host read; `token_logprobs` and the static rounds'
+    `logprobs_pack` call it): logits [N, V], per-row params [N], tokens [N] int64 (a negative id,
+    a padding row, is scored as id 0). In `loop_dtype()`, so both paths give the same bits."""
     x = logits.to(loop_dtype())
-    lp = torch.log(process_logits(x, params))
-    greedy = params.greedy.to(x.device)
-    if bool(greedy.any()):
-        lp = torch.where(greedy.unsqueeze(1), torch.log_softmax(x, -1), lp)
-    tok = lp.gather(1, tokens.to(x.device, torch.int64).unsqueeze(1)).squeeze(1)
+    lp = torch.log(process_logits_static(x, temperature, top_k, top_p, filters, sampled))
+    lp = torch.where((temperature < GREEDY_TEMPERATURE).unsqueeze(1), torch.log_softmax(x, -1), lp)
+    tok = lp.gather(1, tokens.clamp_min(0).unsqueeze(1)).squeeze(1)
     rank = 1 + (lp > tok.unsqueeze(1)).sum(1)
-    top_lp, top_ids = lp.topk(min(top_n, lp.shape[1]), dim=-1) if top_n > 0 else (lp[:, :0], tokens[:, None][:, :0])
+    top_lp, top_ids = lp.topk(min(top_n, lp.shape[1]), dim=-1)
     return tok, rank, top_ids, top_lp

@@ -26,6 +26,7 @@ class Event:
     error: str | None = None
     error_code: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     num_output_tokens: int = 0
     drafted: int = 0  # drafts produced for this request so far
     admitted: int = 0  # drafts verified
@@ -41,6 +42,7 @@ class Event:
             return {"event": "error", "code": self.error_code or "INTERNAL", "message": self.error}
         d = {"event": "chunk", "token_ids": list(self.token_ids), "context_ids": list(self.context_ids),
              "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+             "num_cached_tokens": self.num_cached_tokens,
              "num_output_tokens": self.num_output_tokens, "drafted": self.drafted, "accepted": self.accepted}
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
@@ -78,8 +80,11 @@ class Seq:
     ev_trials: list[float] | None = None
     ev_hits: list[float] | None = None
     ell: int = 0  # drafts admitted for the next verify
+    adm: str = ""  # how ell was chosen: admit | probe | explore | fixed (the fixed-length guard reads it)
     first_token_time: float | None = None
     finish: str | None = None  # why it ended (stop / length / cancelled / error); None while running
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (engine.prefix_cache)
+    prefix_entry: object = None  # the prefix-cache entry its prefill extends (pinned while it does)
 
     @property
     def prefilling(self) -> bool:

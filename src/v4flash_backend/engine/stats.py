@@ -66,8 +66,12 @@ class EngineStats:
         d["decode_steps_by_kind"] = {k: v[0] for k, v in self.kind_totals.items()}
         d["graphs_per_step_by_kind"] = {k: v[1] / v[0] if v[0] else 0.0 for k, v in self.kind_totals.items()}
         d["accept_rate_at"] = [a / n if n else 0.0 for a, n in zip(self.accepted_at, self.admitted_at)]
+        d.update(self.prefix.stats())
         if self.calib is not None:
             d.update(self.calib.stats())
+        d.update(self.learner.stats(self.decode_path))
+        if self.guard is not None:
+            d.update(self.guard.stats())
         return d
 
     def _count_prefill_step(self, before: dict) -> None:
@@ -94,6 +98,9 @@ class EngineStats:
     def _account_verify(self, s: Seq, n_acc: int) -> None:
         if s.last_c is not None and s.conf_logits is not None and self.adaptive:
             self._observe_block(s, n_acc)
+        if s.adm == "admit" and s.last_c is not None:  # a block admission chose: the fixed-length guard's
+            self._step_blocks.append((regime(s.req.temperature), s.ell, n_acc, s.last_c,
+                                      s.req.max_tokens - s.n_out - 1))
         if s.ell and s.conf_logits is not None:  # the block's confidences, for online calibration
             self._observed.append((regime(s.req.temperature), s.conf_logits, s.ell, n_acc))
         s.accepted += n_acc

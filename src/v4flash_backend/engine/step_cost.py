@@ -126,6 +126,12 @@ class StepCost:
         w = (R - lo) / (hi - lo)
         return t_lo + w * (1.0 / self.by_seqs[hi].lookup(B) - t_lo)
 
+    def t_step(self, B, S: int, R: int):
+        """Seconds of a decode step over B verify rows of S sequences that drafts for R requests:
+        t_forward(B, S) + t_draft(R) (what `admit` and `drafting_pays` price; a learned model,
+        step_learn.LearnedStepCost, corrects it from the engine's measured steps)."""
+        return self.t_forward(B, S) + self.t_draft(R)
+
     def forward_for(self, R: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """SPS(B) of a forward over R sequences (no draft stages)."""
         if not self.by_seqs:
@@ -192,11 +198,11 @@ def drafting_pays(cost: StepCost, survivals_per_seq: list[list[float]], extra_to
     if R == 0:
         return False, 0
     G = len(survivals_per_seq[0])
-    plain = R / float(cost.t_forward(R + extra_tokens, R))
+    plain = R / float(cost.t_step(R + extra_tokens, R, 0))
     best, best_l = plain, 0
     for ell in range(1, G + 1):
         tokens = sum(1 + sum(a[:ell]) for a in survivals_per_seq)
-        rate = tokens / (float(cost.t_forward(R * (1 + ell) + extra_tokens, R)) + cost.t_draft(R))
+        rate = tokens / float(cost.t_step(R * (1 + ell) + extra_tokens, R, R))
         if rate > best:
             best, best_l = rate, ell
     return best_l > 0, best_l

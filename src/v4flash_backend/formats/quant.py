@@ -29,12 +29,39 @@ _E2M1_TIE_UP = torch.tensor(_TIE_UP)
 _TABLE = _GRID + tuple(-v for v in _GRID)
 
 
+_ON_DEVICE: dict = {}  # (table id, device) -> the table made there once (device-resident, like the weights)
+
+
 def _table(t: torch.Tensor, values: tuple, like: torch.Tensor) -> torch.Tensor:
-    """Module table t (holding `values`) on `like`'s device: t itself, or the same values made
-    there (a constant of a device graph; a CPU table would meet device tensors)."""
-    if t.device == like.device:
+    """Module table t (holding `values`) on `like`'s device: t itself, or the same values there --
+    made once per device and kept (made per call, each would be a host-to-device copy inside the
+    step: the GPU stand-in's sync guard caught it). Inside a trace (torch.compile, or fake tensors)
+    it is made in place: a constant of the graph, never a tensor cached from the trace."""
+    dev = like.device
+    if t.device == dev:
         return t
-    return torch.tensor(values, dtype=t.dtype, device=like.device)
+    tracing = torch.compiler.is_compiling() or dev.type == "meta" or _is_fake(like)
+    key = (id(t), dev)
+    if not tracing and key in _ON_DEVICE:
+        return _ON_DEVICE[key]
+    made = torch.tensor(values, dtype=t.dtype, device=dev)
+    if not tracing:
+        _ON_DEVICE[key] = made
+    return made
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
+def place_tables(device) -> int:
+    """Make the format tables on `device` now (place_resident: at load, not inside a first step)."""
+    like = torch.empty(0, device=device)
+    for t, values in ((_E2M1_MIDS, _MIDS), (_E2M1_TIE_UP, _TIE_UP), (E2M1_TABLE, _TABLE)):
+        _table(t, values, like)
+    return 3
 
 
 # ---- scalar formats ---------------------------------------------------------------------

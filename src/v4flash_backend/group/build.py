@@ -57,14 +57,18 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
                           prefill_rows=settings.prefill_chunk)
+    device = settings.resident_device
     if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
         import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
 
         from v4flash_backend.ops import nki_ops
+
+        device = device or nki_ops.DEVICE
+        os.environ["V4FLASH_NKI_STRICT"] = "1"
+    if device and device != "cpu":  # the NeuronCore, or a GPU standing in for one (checks/standin.py)
         from v4flash_backend.trn2.neuron import place_resident
 
-        _log(rank, f"placed {place_resident(runner, nki_ops.DEVICE)} tensors on the {nki_ops.DEVICE} device")
-        os.environ["V4FLASH_NKI_STRICT"] = "1"
+        _log(rank, f"placed {place_resident(runner, device)} tensors on the {device} device")
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
     t0 = time.monotonic()
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,

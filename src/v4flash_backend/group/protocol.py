@@ -20,7 +20,8 @@ and logged. Beyond loopback the server does not start without a secret.
     {"op":"health","tag":T}  {"op":"stats","tag":T}  {"op":"shutdown","tag":T}
   server -> client
     {"id":ID,"event":"chunk","token_ids":[..],"context_ids":[..],"finish_reason":null|"stop"|
-     "length"|"cancelled","num_prompt_tokens":n,"num_output_tokens":n,"drafted":n,"accepted":n,
+     "length"|"cancelled","num_prompt_tokens":n,"num_cached_tokens":n (of those, restored from the
+     prefix cache),"num_output_tokens":n,"drafted":n,"accepted":n,
      "logprobs":[[lp,rank,[[id,lp],..]],..] (only when the request asked for log-probs)}
     {"id":ID,"event":"error","code":"INVALID_ARG"|"UNAVAILABLE","message":str}
     {"event":"health"|"stats"|"shutdown","tag":T,...}; a malformed line gets

@@ -53,6 +53,9 @@ from v4flash_backend.group.plan_codec import (
     OP_LOAD_BLOCK,
     OP_NAMES,
     OP_NOOP,
+    OP_PREFIX_DROP,
+    OP_PREFIX_LOAD,
+    OP_PREFIX_SAVE,
     OP_RESET,
     OP_ROUND,
     OP_STOP,
@@ -125,6 +128,19 @@ class PlanRunner:
         ids = list(generated)
         self._send(OP_COUNTS, (slot, len(ids)), _long(ids) if ids else None)
         self.local.set_counts(slot, ids)
+
+    def save_prefix(self, slot: int, entry: int, p: int, q0: int) -> int:
+        self._send(OP_PREFIX_SAVE, (slot, entry, p, q0))
+        return self.local.save_prefix(slot, entry, p, q0)
+
+    def load_prefix(self, slot: int, chain: list[int]) -> None:
+        self._send(OP_PREFIX_LOAD, (slot, len(chain)), _long(chain))
+        self.local.load_prefix(slot, chain)
+
+    def drop_prefix(self, entries: list[int]) -> None:
+        if entries:
+            self._send(OP_PREFIX_DROP, (len(entries),), _long(entries))
+            self.local.drop_prefix(entries)
 
     def _send(self, op: int, a=(), body: torch.Tensor | None = None) -> None:
         n = 0 if body is None else body.numel()
@@ -233,6 +249,12 @@ def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True
             local.load_block(*unpack_block(a, body))
         elif op == OP_COUNTS:
             local.set_counts(a[0], body[:a[1]].tolist())
+        elif op == OP_PREFIX_SAVE:
+            local.save_prefix(*a)
+        elif op == OP_PREFIX_LOAD:
+            local.load_prefix(a[0], body[:a[1]].tolist())
+        elif op == OP_PREFIX_DROP:
+            local.drop_prefix(body[:a[0]].tolist())
         else:
             raise PlanError(f"unknown plan op {op}")
 

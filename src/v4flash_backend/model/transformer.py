@@ -182,9 +182,10 @@ class V41Model:
         for seg in segs:
             state.check_fits(seg)
         lo, hi = self.stage
-        dev = tokens.device
         if tokens.device.type == "cpu" and any(lo <= i < hi for i in cfg.engram_layer_ids):
             self.hasher.compress(tokens)  # host ids: refuse out-of-range ones (the engine checks a device step's)
+        dev = state.engram_hist.device  # every tensor made here follows the state (a device-resident runner)
+        tokens = tokens.to(dev)
         # the step's index tensors on its device, one geometry per segment, and RoPE tables covering
         # its positions (no host read of positions)
         geos = step_geometries(segs, cfg.window_size, dev)

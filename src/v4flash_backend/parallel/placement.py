@@ -221,6 +221,46 @@ def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, margin: int = 8,
     return num_slots * per_slot
 
 
+# HBM of one LNC=2 rank on trn2: a chip's 96 GiB over its 4 logical cores (each a pair of physical
+# cores sharing a 24 GB bank: shared/notes/nki.md, LNC topology)
+RANK_HBM_GIB = 24.0
+
+
+def prefix_cache_bytes(cfg: ModelConfig, tokens: int, entries: int) -> int:
+    """Bytes a rank's prefix cache holds for `tokens` prefix tokens cached in `entries` entries
+    (model.snapshot, every rank holds its whole state): each compressed group once (KV and index
+    keys, bf16), plus per entry the rings a continuation reads: `window` rows of every layer's
+    window KV and of every DSpark ring (bf16), the compressor's unfinished group (fp32 kv + score, at
+    most r rows) and the last Engram n-gram's ids."""
+    hd, per_token = cfg.head_dim, 0.0
+    per_entry = cfg.n_layers * cfg.window_size * hd * 2
+    per_entry += (cfg.n_mtp_layers if cfg.dspark_block_size else 0) * cfg.window_size * hd * 2
+    per_entry += max(cfg.engram_max_ngram_size, 1) * 8
+    for src in cfg.kv_source_layers:
+        r = cfg.compress_ratios[src]
+        per_token += hd * 2 / r + (cfg.index_head_dim * 2 / r if src in cfg.index_source_layers else 0)
+        if r > 1:
+            per_entry += 2 * r * hd * 4
+    return int(tokens * per_token) + entries * per_entry
+
+
+def prefix_cache_lines(cfg: ModelConfig, world: int, used_gib: float, prefill_chunk: int,
+                       budget_bytes: int = 512 << 20) -> list[str]:
+    """What a rank's leftover HBM holds of cached prefixes (an entry every prefill_chunk tokens, as
+    the engine keeps them); the leftover is an upper bound: activations, graph scratch and the
+    runtime's own buffers are not in the placement total."""
+    marginal = prefix_cache_bytes(cfg, 1 << 20, 0) / (1 << 20)
+    entry = prefix_cache_bytes(cfg, 0, 1)
+    per_token = prefix_cache_bytes(cfg, prefill_chunk, 1) / prefill_chunk
+    left = max(0.0, RANK_HBM_GIB - used_gib) * GIB
+    return [f"prefix cache per rank (world={world}): {marginal:.0f} B per cached token (compressed KV + index "
+            f"keys) + {entry / 2**20:.2f} MiB per entry (rings); an entry every prefill_chunk={prefill_chunk} "
+            f"tokens: {per_token:.0f} B per token",
+            f"prefix-cache-trn2: world={world} bytes_per_token={per_token:.0f} leftover_gib="
+            f"{left / GIB:.2f} (of {RANK_HBM_GIB:g}) tokens_in_leftover={int(left // per_token)} "
+            f"tokens_in_default_budget={int(budget_bytes // per_token)}"]
+
+
 def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool = True,
                             pipeline: int = 1, stage: int = 0) -> dict:
     """{(group, op): calls} of one `V41Model.forward` over `segments` [(start, n)] at world size
@@ -327,6 +367,7 @@ def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, 
     ]
     if sequence_parallel:
         lines[-1:-1] = sp_lines(cfg, world, 1, True, prefill_chunk)
+    lines[-1:-1] = prefix_cache_lines(cfg, world, max_gib, prefill_chunk)
     return lines
 
 

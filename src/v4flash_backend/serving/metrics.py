@@ -27,6 +27,11 @@ with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
   v4flash:requests_expired_total        counter    requests failed after queue_timeout_s without a slot
   v4flash:decode_steps_by_kind          gauge      label kind: draft|probe|aside (DSpark's decision per
                                                    decode step; aside: stepped aside, no draft stages)
+  v4flash:prefix_cache_hits_total        counter    requests that restored a cached prompt prefix
+  v4flash:prefix_cache_misses_total      counter    requests that found none (cache on)
+  v4flash:prefix_cache_cached_tokens_total counter  prompt tokens restored instead of prefilled
+  v4flash:prefix_cache_evictions_total   counter    entries evicted for the byte budget
+  v4flash:prefix_cache_bytes             gauge      bytes the cache holds (rank 0's shard)
   (and the decode path's own gauges below: graphs, host syncs and bytes per step, fallbacks)
 """
 
@@ -83,9 +88,19 @@ class ServingMetrics:
         self.expired = family("v4flash:requests_expired_total",
                               "Requests failed with UNAVAILABLE after queue_timeout_s without a KV slot",
                               F.COUNTER).Metric(labels=labels)
+        # the prefix cache (engine.prefix_cache): engine-cumulative counts, as rejected / expired
+        self.prefix_counters = {
+            key: family(f"v4flash:prefix_cache_{key}_total", text, F.COUNTER).Metric(labels=labels)
+            for key, text in (("hits", "Requests that restored a cached prompt prefix"),
+                              ("misses", "Requests that found no cached prompt prefix (cache on)"),
+                              ("cached_tokens", "Prompt tokens restored from the prefix cache, not prefilled"),
+                              ("evictions", "Prefix-cache entries evicted for the byte budget"))}
+        self.prefix_bytes = family("v4flash:prefix_cache_bytes", "Bytes the prefix cache holds (rank 0's shard)",
+                                   F.GAUGE).Metric(labels=labels)
         # the engine's cumulative counts at the last refresh (a new rank group starts from 0)
-        self._engine_counts = {"rejected": 0, "expired": 0}
+        self._engine_counts = {"rejected": 0, "expired": 0, **{k: 0 for k in self.prefix_counters}}
         self._engine_epoch = 0
+        self._prefix_epoch = 0
 
         # the decode path reports itself (engine stats): averages over decode steps (no prefill rows)
         self.decode_steps = family("v4flash:decode_steps", "Engine decode steps so far (steps with no prefill rows)",
@@ -162,6 +177,22 @@ class ServingMetrics:
                 metric.increment(delta)
             self._engine_counts[name] = total
 
+    def set_prefix_cache(self, st: dict, epoch: int = 0) -> None:
+        """The prefix cache's counts of an engine stats dict (prefix_cache_*; absent: nothing);
+        call after set_queue, which notes a new rank group's epoch."""
+        if "prefix_cache_bytes" not in st:
+            return
+        self.prefix_bytes.set(float(st["prefix_cache_bytes"]))
+        fresh = epoch != self._prefix_epoch
+        self._prefix_epoch = epoch
+        for name, metric in self.prefix_counters.items():
+            total = int(st.get(f"prefix_cache_{name}", 0))
+            last = 0 if fresh else self._engine_counts[name]
+            delta = total - last if total >= last else total
+            if delta > 0:
+                metric.increment(delta)
+            self._engine_counts[name] = total
+
     def set_decode(self, st: dict) -> None:
         """The decode-step counters of an engine stats dict (absent keys: left as they are)."""
         for key, metric in (("decode_steps", self.decode_steps), ("graphs_per_step", self.graphs_per_step),
@@ -180,6 +211,7 @@ class ServingMetrics:
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
                      "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
-                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "steps_by_kind"):
+                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "steps_by_kind",
+                     "prefix_counters", "prefix_bytes"):
             setattr(self, name, None)
         self._families.clear()

@@ -7,6 +7,7 @@ pairs the i-th outputs of its steps, so none may be missing from any response):
   context_ids         INT32  [k]  the last k <= 8 committed ids before output_ids
   finish_reason       STRING [1]  "" until the last response: stop | length
   num_input_tokens    UINT32 [1]  prompt tokens
+  num_cached_tokens   UINT32 [1]  of those, restored from the prefix cache (not prefilled)
   num_output_tokens   UINT32 [1]  generated tokens in this response (vllm_backend: the new part)
   num_drafted_tokens  UINT32 [1]  DSpark draft tokens proposed since the previous response
   num_accepted_tokens UINT32 [1]  of those, accepted by verification
@@ -24,7 +25,7 @@ The speculative counts are per-response deltas like num_output_tokens, so summin
 stream's responses gives the request's totals in both modes.
 
 Engine events are dicts (the rank-group protocol): {"event": "chunk", "token_ids",
-"context_ids", "finish_reason" (None while streaming), "num_prompt_tokens",
+"context_ids", "finish_reason" (None while streaming), "num_prompt_tokens", "num_cached_tokens",
 "num_output_tokens", "drafted", "accepted"} with cumulative counts, or {"event": "error",
 "code", "message"}.
 """
@@ -40,7 +41,8 @@ from v4flash_backend.request import GenerateRequest, RequestError
 from .detok import CONTEXT_IDS, StreamDetokenizer
 from .stop import StopMatcher
 
-OUTPUT_NAMES = ("output_ids", "context_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+OUTPUT_NAMES = ("output_ids", "context_ids", "finish_reason", "num_input_tokens", "num_cached_tokens",
+                "num_output_tokens",
                 "num_drafted_tokens", "num_accepted_tokens", "text_trim", "logprobs", "cumulative_logprob")
 
 
@@ -112,6 +114,7 @@ class ResponseBuilder:
             "context_ids": np.array(context, dtype=np.int32),
             "finish_reason": _string(reason),
             "num_input_tokens": _u32(len(self.req.prompt)),
+            "num_cached_tokens": _u32(int(ev.get("num_cached_tokens", 0))),
             "num_output_tokens": _u32(len(out_ids)),
             "num_drafted_tokens": _u32(max(0, drafted - self._sent_drafted)),
             "num_accepted_tokens": _u32(max(0, accepted - self._sent_accepted)),

@@ -313,3 +313,4 @@ class GenerateService:
         self.metrics.set_queue(int(st.get("waiting", 0)), int(st.get("rejected", 0)),
                                int(st.get("expired", 0)), int(st.get("restarts") or 0))
         self.metrics.set_decode(st)
+        self.metrics.set_prefix_cache(st, int(st.get("restarts") or 0))

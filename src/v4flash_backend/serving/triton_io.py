@@ -43,6 +43,7 @@ OUTPUTS = (
     ("context_ids", "TYPE_INT32", [-1]),
     ("finish_reason", "TYPE_STRING", [-1]),
     ("num_input_tokens", "TYPE_UINT32", [1]),
+    ("num_cached_tokens", "TYPE_UINT32", [1]),
     ("num_output_tokens", "TYPE_UINT32", [-1]),
     ("num_drafted_tokens", "TYPE_UINT32", [1]),
     ("num_accepted_tokens", "TYPE_UINT32", [1]),

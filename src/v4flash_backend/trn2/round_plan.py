@@ -176,8 +176,9 @@ def adaptive_inputs(S: int, G: int, plan: RoundPlan | None = None) -> dict:
     """The draft graph's dspark_adaptive inputs for a bucket of S rows (static_round.draft_round):
     t_draft [S+1] `loop_dtype()` (draft seconds by live rows; zeros: the forward's table alone), cal
     [S, G, 2] `loop_dtype()` ((T_k, b_k) per row; T = 0: the raw head), fixed_ell [S] (-1: admission;
-    a probe: 1). From a round plan's `t_draft` / `cal` / `fixed_ell` (padding rows: the last value,
-    the raw head, -1). Host tensors: `round_inputs` / `round_padding` move the plan to the device."""
+    -1 - f: admission with at least f drafts, the fixed-length guard's floor; a probe: 1). From a round
+    plan's `t_draft` / `cal` / `fixed_ell` (padding rows: the last value, the raw head, -1). Host tensors:
+    `round_inputs` / `round_padding` move the plan to the device."""
     fd = loop_dtype()
     td = list((plan.t_draft if plan is not None else None) or [0.0])
     td = td[:S + 1] + [td[-1]] * (S + 1 - len(td))

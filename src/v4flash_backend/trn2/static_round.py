@@ -20,10 +20,12 @@ block come back in the read-back (float64 bits: exact), for the host's online ca
 next stepping-aside decision. A round that steps aside runs graph 1 alone (`verify_round` also
 returns that round's read-back, ell 0): no ring writes, no draft stages, no taps read.
 
-The functions are the host functions' static forms (`dspark_accept.verify_static`,
-`markov_draft_static`, `sampling.process_logits_static`, `dspark_sched.admit_static`), so eager
-serving (which runs the host forms with `noise.CounterSampler`) and these graphs commit the same
-tokens for the same request and seed.
+Sampling, acceptance, the logit processors and log-probs are the engine's one implementation
+(`dspark_accept.verify_static` / `markov_draft_static`, `sampling.process_logits_static` /
+`token_logprobs_static`, `logit_proc`, `calibration.calibrated_confidence`): eager serving runs the
+same functions through thin adapters, with `noise.CounterSampler` handing out these uniforms, so the
+two commit the same tokens for the same request and seed. Admission is still a pair
+(`dspark_sched.admit` on the host, `admit_static` here), checked equal row by row.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from v4flash_backend.engine import noise
+from v4flash_backend.engine.calibration import calibrated_confidence
 from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_static
 from v4flash_backend.engine.dspark_sched import admit_static
+from v4flash_backend.engine.logit_proc import draft_logit_fn, process_verify_rows
 from v4flash_backend.engine.precision import loop_dtype
-from v4flash_backend.engine.sampling import LOGPROB_WIDTH
+from v4flash_backend.engine.sampling import LOGPROB_WIDTH, token_logprobs_static
 
 from .round_plan import pack_logprobs
 from .round_plan import pack_result as pack  # the read-back's layout is the plan types'
@@ -104,7 +108,8 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     graph 1's log-probs pack, appended: still one read-back). `proc`: the processed variant's
     drafting processors (`draft_logit_fn`). t_draft [S+1] `loop_dtype()`: the draft seconds by live rows R
     (0: the forward's table alone); cal [S, G, 2] `loop_dtype()`: (T_k, b_k) per row and position (T = 0: the
-    raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 runs admission."""
+    raw head, sigmoid in f32); fixed_ell [S]: >= 0 admits that many (a probe), -1 - f runs admission with at
+    least f drafts (the fixed-length guard's floor; -1: admission alone)."""
     G = dec.max_rows - 1
     S = slot.shape[0]
     d = dec.drafter
@@ -120,7 +125,7 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     conf = d.confidence(hidden, d.markov_embed(block.prev))
     if mode == "dspark":
         ell = admit_static(calibrated_confidence(conf, cal), live, sps_t, t_draft)
-        ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), ell)
+        ell = torch.where(fixed_ell >= 0, fixed_ell.clamp(max=G), torch.maximum(ell, (-1 - fixed_ell).clamp(0, G)))
     else:
         ell = torch.full((S,), min(fixed_len, G), dtype=torch.long, device=slot.device)
     room = torch.minimum(budget - k - 1, len_left - k - 1).clamp(0, G)
@@ -132,88 +137,24 @@ def draft_round(dec: StaticDecoder, blk: BlockState, mode: str, fixed_len: int, 
     return out if extra is None else torch.cat([out, extra], 1)
 
 
-def calibrated_confidence(conf: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
-    """c [S, G] f32 from the head's logits: sigmoid(logit / T_k + b_k) in `loop_dtype()` where T > 0
-    (the operations of `Calibration.confidence`, in its dtype, so eager and static admit alike), the
-    raw head's f32 sigmoid where T = 0 (dspark_adaptive off: what the eager engine computes then)."""
-    dt = loop_dtype()
-    T, b = cal[..., 0].to(dt), cal[..., 1].to(dt)
-    scaled = torch.sigmoid(conf.to(dt) / torch.where(T > 0, T, torch.ones_like(T)) + b).float()
-    return torch.where(T > 0, scaled, torch.sigmoid(conf))
-
-
 # ---- the processed round variant: min_tokens, penalties and log-probs inside the graphs -------------
-# The host forms are Engine._process_target / _draft_logit_fn / _logprobs (sampling.apply_penalties,
-# mask_stop_tokens, token_logprobs); these are the same operations over fixed shapes, applied to every
-# row (a zero penalty and an inactive min_tokens row leave the logits bit for bit as they are, which is
-# what the host does for a request without them), so eager and static commit the same tokens and
-# report the same log-probs. proc: n_out [S] (generated tokens before the round), min_tokens [S],
-# frequency / presence [S] `loop_dtype()`, stop_ids [S, W].
-
-# the graph computes the top LOGPROB_WIDTH alternatives (as the host does: sampling.LOGPROB_WIDTH) and
-# the host keeps the request's first `logprobs`
-
-
-def mask_stop_static(logits: torch.Tensor, stop_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """`sampling.mask_stop_tokens` without the host read: rows where active [N] get -inf at their
-    stop ids [N, W] (-1 pads)."""
-    V = logits.shape[-1]
-    idx = torch.where((stop_ids >= 0) & active[:, None], stop_ids, V)
-    hit = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device).scatter(1, idx, True)[:, :V]
-    return logits.masked_fill(hit, float("-inf"))
-
-
-def process_verify_rows(logits: torch.Tensor, base: torch.Tensor, drafts: torch.Tensor, stop_ids: torch.Tensor,
-                        proc: dict) -> torch.Tensor:
-    """The target's processors on verify rows [S, G+1, V]: row j follows the committed output
-    (counts `base` [S, V]) and the first j drafts; penalties, then min_tokens (row j predicts output
-    token n_out + j). Returns [S*(G+1), V]."""
-    from v4flash_backend.engine.sampling import apply_penalties
-
-    S, G1, V = logits.shape
-    before = torch.nn.functional.one_hot(drafts.long(), V).cumsum(1).to(base.dtype)  # [S, G, V]
-    counts = torch.cat([base[:, None], base[:, None] + before], 1)[:, :G1]
-    rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
-    x = apply_penalties(logits.reshape(S * G1, V), counts.reshape(S * G1, V), rep(proc["frequency"]).float(),
-                        rep(proc["presence"]).float())
-    pos = proc["n_out"][:, None] + torch.arange(G1, device=logits.device)
-    active = (pos < proc["min_tokens"][:, None]).reshape(-1)
-    stops = stop_ids[:, None, :].expand(S, G1, stop_ids.shape[1]).reshape(S * G1, -1)
-    return mask_stop_static(x, stops, active)
-
-
-def draft_logit_fn(base: torch.Tensor, n_out: torch.Tensor, proc: dict):
-    """Draft slot k predicts output token n_out + k after the committed output (counts `base`) and
-    drafts x_1..x_k: the verify row's processors (Engine._draft_logit_fn's static form)."""
-    from v4flash_backend.engine.sampling import apply_penalties
-
-    V = base.shape[1]
-    freq, pres = proc["frequency"].float(), proc["presence"].float()
-
-    def fn(k: int, z: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        counts = base + torch.nn.functional.one_hot(drafted.long(), V).sum(1).to(base.dtype) if k else base
-        z = apply_penalties(z, counts, freq, pres)
-        return mask_stop_static(z, proc["stop_ids"], n_out + k < proc["min_tokens"])
-
-    return fn
+# engine/logit_proc.py (`process_verify_rows`, `draft_logit_fn`) and sampling.token_logprobs_static are
+# the one implementation; the eager engine runs the same functions (logits.LogitProcessing), so eager
+# and static commit the same tokens and report the same log-probs. proc: n_out [S] (generated tokens
+# before the round), min_tokens [S], frequency / presence [S] `loop_dtype()`, stop_ids [S, W].
+# The graph computes the top LOGPROB_WIDTH alternatives (as the host does: sampling.LOGPROB_WIDTH) and
+# the host keeps the request's first `logprobs`.
 
 
 def logprobs_pack(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
-    """`sampling.token_logprobs` of the committed tokens [S, G+1] (-1 padded) under their processed
+    """`sampling.token_logprobs_static` of the committed tokens [S, G+1] (-1 padded) under their processed
     verify rows [S*(G+1), V], top LOGPROB_WIDTH alternatives, packed by `round_plan.pack_logprobs`
     (`loop_dtype` values bit-cast: no float64 op under the kernels' numerics) for the round's one
     read-back (`round_plan.RoundResult.logprobs` reads it)."""
-    from v4flash_backend.engine.sampling import GREEDY_TEMPERATURE, process_logits_static
-
     S, G1 = tokens.shape
     rep = lambda t: t[:, None].expand(S, G1).reshape(-1)  # noqa: E731
-    x = logits.to(loop_dtype())  # as sampling.token_logprobs
-    T = rep(temperature)
-    lp = torch.log(process_logits_static(x, T, rep(top_k), rep(top_p)))
-    lp = torch.where((T < GREEDY_TEMPERATURE)[:, None], torch.log_softmax(x, -1), lp)
-    tok = lp.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
-    rank = 1 + (lp > tok[:, None]).sum(1)
-    top_lp, top_ids = lp.topk(LOGPROB_WIDTH, dim=-1)
+    tok, rank, top_ids, top_lp = token_logprobs_static(logits, rep(temperature), rep(top_k), rep(top_p),
+                                                       tokens.reshape(-1), LOGPROB_WIDTH)
     return pack_logprobs(tok, rank, top_ids, top_lp, S)
 
 

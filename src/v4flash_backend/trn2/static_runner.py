@@ -12,6 +12,8 @@ import os
 import torch
 
 from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.model.dspark import DraftOutput
+from v4flash_backend.model.transformer import StepOutput
 
 from .graphs import StaticGraphs, _Progress, decode_buckets, prefill_buckets, to_device
 from .launch import NeuronSettings
@@ -62,6 +64,8 @@ class StaticRunner(LocalRunner):
             self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
                                         stats=self.graphs.stats, blocks=self.blocks)
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
+        if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
+            self.drafter = _HostDrafter(self.drafter, self)
 
     def warm_up_nodraft(self, progress=None, stop_width: int = 8, processed: bool = True) -> None:
         """Compile every bucket's plain-decode round graph (and its logit-processing variant) on a
@@ -120,9 +124,8 @@ class StaticRunner(LocalRunner):
         if plan is None:
             if not any(sl == self.decoder.scratch for sl, _, _ in spec):
                 self.counters["eager_forwards"] += 1
-            return super().forward(tokens, spec, logits_rows, want_taps)
-        from v4flash_backend.model.transformer import StepOutput
-
+            out = super().forward(torch.as_tensor(tokens).to(self.decoder.device), spec, logits_rows, want_taps)
+            return StepOutput(self._to_host(out.logits), out.taps, self._to_host(out.final_hidden))
         vb, short, pre = plan
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         offs = [0]
@@ -175,7 +178,24 @@ class StaticRunner(LocalRunner):
         self._count(out is not None, h2d + 8 * rows, graphs)
         self.counters["prefill_graphs"] += len(pre)
         self.counters["forward_graphs"] += graphs
-        return StepOutput(out, taps if want_taps else None, None)
+        return StepOutput(self._to_host(out), taps if want_taps else None, None)
+
+    # ---- the host boundary of a device-resident runner -------------------------------------------
+    # The engine verifies, samples and drafts an eager step (a prefill chunk, a mixed step) on the
+    # host. Where the weights and caches live on a device (`place_resident`: the rank's NeuronCore,
+    # or the GPU standing in for one), this runner is the boundary: what the engine hands in moves to
+    # the device here, and what it reads (logits, draft logits, the draft heads' outputs, a draft
+    # block) comes back here. On a CPU-resident runner every move is a no-op.
+    def _to_host(self, t):
+        return t.cpu() if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t
+
+    def dspark(self, writes, items):
+        dev = self.decoder.device
+        writes = [(slot, rows.to(dev), pos.to(dev)) for slot, rows, pos in writes]
+        out = super().dspark(writes, items)
+        if out is None:
+            return None
+        return DraftOutput(self._to_host(out.base_logits), self._to_host(out.hidden))
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """What stays on the device: the weights, every per-slot cache, the draft blocks."""
@@ -195,16 +215,19 @@ class StaticRunner(LocalRunner):
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""
         tokens, _, q, z = block
-        self.blocks.tokens[slot] = tokens
-        self.blocks.q[slot] = q.float()
-        self.blocks.z[slot] = z.float()
+        dev = self.decoder.device
+        self.blocks.tokens[slot] = tokens.to(dev)
+        self.blocks.q[slot] = q.float().to(dev)
+        self.blocks.z[slot] = z.float().to(dev)
         self._count(0, tokens.numel() * 8 + q.numel() * 4 + z.numel() * 4)
 
     def read_block(self, slot: int):
         """The per-slot draft block for an eager step (a device-to-host read: counted)."""
         self._count(1, 0)
         b = self.blocks
-        return b.tokens[slot].clone(), torch.zeros_like(b.tokens[slot]), b.q[slot].clone(), b.z[slot].clone()
+        host = self._to_host
+        tokens = host(b.tokens[slot]).clone()
+        return tokens, torch.zeros_like(tokens), host(b.q[slot]).clone(), host(b.z[slot]).clone()
 
     def round_inputs(self, plan: RoundPlan):
         """(bucket, inputs) of a round plan, padded to the bucket with padding sequences."""
@@ -294,7 +317,9 @@ def place_resident(runner: "StaticRunner", device) -> int:
     hasher = getattr(runner.model, "hasher", None)
     if hasher is not None and hasattr(hasher, "to"):
         hasher.to(device)
-    return n
+    from v4flash_backend.formats import quant
+
+    return n + (quant.place_tables(device) if torch.device(device).type != "cpu" else 0)
 
 
 def _settle_weights(model) -> None:
@@ -307,6 +332,32 @@ def _settle_weights(model) -> None:
     for p in prefixes:
         local_experts(model.W, p)
         stacked_experts(model.W, p)
+
+
+class _HostDrafter:
+    """The runner's DSparkDrafter as the engine's host code calls it: the Markov and confidence
+    heads take host tensors in and give host tensors back (their weights stay on the device);
+    everything else (the rings, the draft stages, which `dspark` drives) is the drafter itself."""
+
+    def __init__(self, drafter, runner: "StaticRunner"):
+        self._d, self._r = drafter, runner
+
+    def __getattr__(self, name):
+        return getattr(self._d, name)
+
+    def _call(self, fn, *args):
+        dev = self._r.decoder.device
+        out = fn(*(a.to(dev) for a in args))
+        return tuple(map(self._r._to_host, out)) if isinstance(out, tuple) else self._r._to_host(out)
+
+    def markov(self, prev_ids):
+        return self._call(self._d.markov, prev_ids)
+
+    def markov_embed(self, prev_ids):
+        return self._call(self._d.markov_embed, prev_ids)
+
+    def confidence(self, hidden, markov_embed):
+        return self._call(self._d.confidence, hidden, markov_embed)
 
 
 class _Null:
