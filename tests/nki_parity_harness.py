@@ -300,14 +300,14 @@ class LayerCompare:
             capture.update(cap_t)
         return out_t, pre_t
 
-    def _hc_block(self, p, n_act, h, pre_mix, attn, capture=None, ffn=None):
+    def _hc_block(self, p, n_act, h, pre_mix, attn, capture=None, moe_form=None):
         if not p.startswith("mtp."):
-            return self._orig_hc_block(p, n_act, h, pre_mix, attn, capture, ffn)
+            return self._orig_hc_block(p, n_act, h, pre_mix, attn, capture, moe_form)
         cap_t, cap_n = {}, {}
         with backend("torch"):
-            out_t, pre_t = self._orig_hc_block(p, n_act, h, pre_mix, attn, cap_t, ffn)
+            out_t, pre_t = self._orig_hc_block(p, n_act, h, pre_mix, attn, cap_t, moe_form)
         with backend("nki-sim"):
-            out_n, pre_n = self._orig_hc_block(p, n_act, h, pre_mix, attn, cap_n, ffn)
+            out_n, pre_n = self._orig_hc_block(p, n_act, h, pre_mix, attn, cap_n, moe_form)
         d = LayerDiff(f"{self.phase} {p}", h.shape[0])
         for k in ("attn_out", "ffn_out", "x_out"):
             d.errs[k] = row_rel(cap_n[k], cap_t[k])

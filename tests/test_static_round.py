@@ -90,7 +90,9 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         assert got == want and len(got) == 12, (mode, T)
         assert st["static_steps"] == st["decode_steps"] == est["decode_steps"] >= 2
         assert st["graphs_per_step"] == 2 and st["host_syncs_per_step"] == 0
-        assert est["host_syncs_per_step"] > 10  # the eager forward's syncs are seen (not a vacuous counter)
+        # the eager step's host reads are seen (not a vacuous counter): its tokens' id range, the
+        # engine's sampling and acceptance (the forward itself reads little since issue 30)
+        assert est["host_syncs_per_step"] > 2
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
 
 
@@ -283,7 +285,8 @@ def test_nki_device_args_pass_resident_tensors_and_count_copies(monkeypatch):
 def test_generate_step_report_lines(golden_dir, tmp_path):
     """`generate --step-report`: the last two stdout lines are exactly `ids: ...` and `step-report: ...`;
     static at W = 1 (through the rank group) gives the eager ids at T = 0.8 with a seed and a shared
-    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 10 syncs)."""
+    SPS table, with 2 graphs and 0 host syncs per decode step (eager: 0 graphs, > 2 syncs: the
+    eager step's id check, sampling and acceptance reads)."""
     import re
     from pathlib import Path
 
@@ -304,7 +307,7 @@ def test_generate_step_report_lines(golden_dir, tmp_path):
     e, s = lines["eager"][1], lines["static"][1]
     assert e.group(2) == s.group(2) and int(s.group(2)) > 0
     assert float(s.group(3)) == 2 and float(s.group(4)) == 0
-    assert float(e.group(3)) == 0 and float(e.group(4)) > 10
+    assert float(e.group(3)) == 0 and float(e.group(4)) > 2
 
 
 def _cli(args, cwd):

@@ -89,8 +89,10 @@ def test_verify_equals_eager_forward(golden_step):
 
 def test_verify_has_no_host_sync_and_the_counter_sees_eager_ones(golden_step):
     assert golden_step["static_syncs"] == {}
-    # negative control: the eager forward reads int(start), .tolist()s expert ids, ... every step
-    assert golden_step["eager_syncs"] > 10
+    # negative control: the eager forward reads its host tokens' id range (hasher.compress: int(min),
+    # int(max)); since the forward runs on geometries, that is all it reads on the host here
+    # ('exact' numerics: the MoE's batched form)
+    assert golden_step["eager_syncs"] == 2
 
 
 def test_draft_equals_eager_drafter(golden_step):

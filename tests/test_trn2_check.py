@@ -106,31 +106,31 @@ def test_tiny_forward_graphs_are_device_clean_with_kernels():
 
 
 def test_a_cpu_factory_in_the_step_fails_device_clean(monkeypatch):
-    from v4flash_backend.trn2 import static_step
+    from v4flash_backend.model import attention
 
-    orig = static_step._join_slots
+    orig = attention.join_slots
 
     def cpu_join(widx, cidx, width):  # the mistake the issue found: an index made on the CPU
         return orig(widx, cidx, width) + torch.zeros(widx.shape[-1] + cidx.shape[-1], dtype=torch.long)
 
-    monkeypatch.setattr(static_step, "_join_slots", cpu_join)
+    monkeypatch.setattr(attention, "join_slots", cpu_join)
     _, _, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     (g,) = [g for g in graphs if g.name.startswith("forward")]
-    assert not g.device_clean and "device mismatch" in g.error and "static_step.py" in g.error
+    assert not g.device_clean and "device mismatch" in g.error and "model/attention.py" in g.error
 
 
 def test_a_float64_op_in_the_step_fails_dtype_ok(monkeypatch):
-    from v4flash_backend.trn2 import static_step
+    from v4flash_backend.model import transformer
 
-    orig = static_step.stream_mean
-    monkeypatch.setattr(static_step, "stream_mean", lambda h: orig(h.double()).to(h.dtype))
+    orig = transformer.stream_mean
+    monkeypatch.setattr(transformer, "stream_mean", lambda h: orig(h.double()).to(h.dtype))
     _, _, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     (g,) = [g for g in graphs if g.name.startswith("forward")]
     assert g.device_clean
     assert any("float64" in d for d in g.dtype_bad)
-    monkeypatch.setattr(static_step, "stream_mean", orig)
+    monkeypatch.setattr(transformer, "stream_mean", orig)
     _, _, graphs = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     (g,) = [g for g in graphs if g.name.startswith("forward")]

@@ -1,10 +1,12 @@
 """V4.1 attention: sliding window + shared compressed KV (CSA2) + two-level indexer + sink.
 
-Works on a flattened step input: rows of several sequences (Segments), each extending its own
-cache from an arbitrary start. Prefill (start 0), decode (n = 1) and speculative verify (n = 1 +
-drafts) are the same code path. The layouts of the attention slots follow the reference exactly
-(window slots ascending by position, -1 at the end in a chunk from position 0 and at the front in a
-single-token step), because the 64-slot online softmax rounds probabilities per block.
+Works on a flattened step input: rows of several sequences, each extending its own cache from an
+arbitrary start, described by `geometry.Geometry`s (one per eager Segment, or one static bucket).
+Prefill (start 0), decode (n = 1) and speculative verify (n = 1 + drafts) are the same code path,
+eager and in the static graphs (`attend`). The layouts of the attention slots follow the reference
+exactly (window slots ascending by position, -1 at the end in a chunk from position 0 and at the
+front in a single-token step; any extra -1 slots after everything), because the 64-slot online
+softmax rounds probabilities per block.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
 from v4flash_backend.formats import quant
 
-from .state import ModelState, Segment
+from .geometry import Geometry, join_slots, last_rows, masked_put
+from .state import ModelState
 from .weights import linear
 
 
-# ---- per-op helpers shared by the eager forward (below), the static decode step
-# (trn2/static_step.py) and the DSpark stages (dspark.py): one definition of each computation, so
-# a change to attention is made once; the callers differ only in how they gather and scatter rows.
+# ---- per-op helpers shared by `attend` (the eager forward's and the static decode step's) and the
+# DSpark stages (dspark.py): one definition of each computation, so a change is made once.
 def query(W: dict, cfg: ModelConfig, p: str, x: torch.Tensor, rope, positions: torch.Tensor):
     """(qr [T, q_lora] (the indexer's input too), q [T, H, hd] with RoPE) of attention prefix p."""
     qr = ops.rms_norm(linear(W, p + ".wq_a", x), W[p + ".q_norm.weight"], cfg.norm_eps)
@@ -76,65 +78,67 @@ def pick_compressed(cfg: ModelConfig, layer: int, score: torch.Tensor, clens: to
     the candidate-block mask (computed at the candidate source layer, applied after it), then top-k,
     ascending, picks beyond reach -> -1 (int64)."""
     score = score.masked_fill(torch.arange(score.shape[-1], device=score.device) >= clens, -torch.inf)
-    if layer == cfg.candidate_source_layer:
-        shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    if layer == cfg.candidate_source_layer:  # kept as [rows, width], the reference's layout
+        shared["candidates"] = candidate_blocks(score, clens, cfg.candidate_topk_blocks,
+                                                cfg.candidate_block_size).flatten(0, -2)
     elif 0 <= cfg.candidate_source_layer < layer:
-        score = score.masked_fill(~shared["candidates"], -torch.inf)
+        score = score.masked_fill(~shared["candidates"].view(score.shape), -torch.inf)
     idx = topk_idx(score, k).sort(dim=-1).values
     return torch.where(idx < clens, idx, -1)
 
 
-def window_slots(state: ModelState, layer: int, seg: Segment, kv_new: torch.Tensor, window: int):
-    """Window keys a chunk attends to, as (local kv rows, per-query slot indices into them).
-
-    Reads the cached rows of positions max(0, start-W+1)..start-1 from the ring, appends the new
-    rows, then writes the new rows into the ring."""
-    s, n = seg.start, seg.n
+def window_span(state: ModelState, layer: int, geo: Geometry, kv: torch.Tensor) -> torch.Tensor:
+    """The window keys the step's rows can see, [S, window-1+Q, hd]: the window - 1 cached positions
+    before the step (read before the write), then the step's rows kv [S*Q, hd]; then writes the
+    rows into the ring (only the last R rows of a long prefill chunk)."""
     ring = state.window[layer]
     R = ring.shape[1]
-    lo = max(0, s - window + 1)
-    dev = kv_new.device  # every index follows the rows (a device-resident state)
-    old = ring[seg.slot, torch.arange(lo, s, device=dev) % R]
-    local = torch.cat([old, kv_new], dim=0)
-    t = torch.arange(s, s + n, device=dev).unsqueeze(1)
-    if s > 0 and n == 1:  # a decode step: the whole ring, oldest first, unfilled slots first
-        pos = t - window + 1 + torch.arange(window, device=dev)
-        idx = torch.where(pos < 0, -1, pos - lo)
-    else:
-        width = min(s + n, window)
-        pos = (t - window + 1).clamp_min(0) + torch.arange(width, device=dev)
-        idx = torch.where(pos > t, -1, pos - lo)
-    keep = min(n, R)
-    ring[seg.slot, torch.arange(s + n - keep, s + n, device=dev) % R] = kv_new[n - keep:]
-    return local, idx.int()
+    new = kv.view(geo.S, geo.Q, -1)
+    old = ring[geo.slot[:, None], geo.span_pos[:, :geo.span_pos.shape[1] - geo.Q] % R]
+    masked_put(ring, geo.slot[:, None], geo.pos % R, new, last_rows(geo, R))
+    return torch.cat([old, new], dim=1)
 
 
-def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segment, x: torch.Tensor):
-    """The KV source's compressor on one chunk: RoPE-free latents of the groups the chunk completes
-    (bf16 [ng, hd]) and their group ids, or (None, None)."""
+def compress(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geometry, x: torch.Tensor):
+    """The KV source's compressor on the step's rows: RoPE-free latents of the groups the step can
+    complete ([S, G, hd] bf16), their group ids [S, G] and which of them it completes [S, G]
+    (latents of the others pool garbage rows and are never written)."""
     r = cfg.compress_ratios[layer]
     p = f"layers.{layer}.attn.compressor"
-    s, n = seg.start, seg.n
-    dev = x.device
+    S, Q = geo.S, geo.Q
     if r == 1:
-        return compressor_latent_r1(W, cfg, p, x), torch.arange(s, s + n, device=dev)
+        return compressor_latent_r1(W, cfg, p, x).view(S, Q, -1), geo.pos, None if geo.host else geo.valid
     kv, score = compressor_rows(W, p, x)
-    ring, R = state.pend_kv[layer], state.pend_ring[layer]
-    sring = state.pend_score[layer]
-    g0 = (s // r) * r
-    if s > g0:  # the partial group carried over from earlier steps
-        prev = torch.arange(g0, s, device=dev) % R
-        kv = torch.cat([ring[seg.slot, prev], kv])
-        score = torch.cat([sring[seg.slot, prev], score])
-    keep = min(n, R)
-    new_rows = torch.arange(s + n - keep, s + n, device=dev) % R
-    ring[seg.slot, new_rows] = kv[kv.shape[0] - keep:]
-    sring[seg.slot, new_rows] = score[score.shape[0] - keep:]
-    ng = (s + n) // r - s // r
-    if ng == 0:
-        return None, None
-    lat = pooled_latent(W, cfg, p, kv[: ng * r].unflatten(0, (ng, r)), score[: ng * r].unflatten(0, (ng, r)))
-    return lat, torch.arange(s // r, s // r + ng, device=dev)
+    ring, sring, R = state.pend_kv[layer], state.pend_score[layer], state.pend_ring[layer]
+    # the rows of the open group before the step (positions g0 .. start-1, from the pending ring,
+    # read before the write), then the step's rows
+    g0 = (geo.start // r) * r
+    dev = geo.start.device
+    prev = (g0[:, None] + torch.arange(r - 1, device=dev)) % R
+    span_kv = torch.cat([ring[geo.slot[:, None], prev], kv.view(S, Q, -1)], dim=1)
+    span_sc = torch.cat([sring[geo.slot[:, None], prev], score.view(S, Q, -1)], dim=1)
+    keep = last_rows(geo, R)
+    masked_put(ring, geo.slot[:, None], geo.pos % R, kv.view(S, Q, -1), keep)
+    masked_put(sring, geo.slot[:, None], geo.pos % R, score.view(S, Q, -1), keep)
+    if geo.host is not None:  # the groups this segment completes (maybe none)
+        s, n = geo.host
+        G, gvalid = (s + n) // r - s // r, None
+        if G == 0:
+            return None, None, None
+        j = torch.arange(G, device=dev)
+    else:
+        G = -(-Q // r)  # Q rows complete at most ceil(Q / r) groups
+        j = torch.arange(G, device=dev)
+        gvalid = j < ((geo.start + geo.n) // r - geo.start // r)[:, None]
+    gids = (geo.start // r)[:, None] + j
+    gp = gids[:, :, None] * r + torch.arange(r, device=dev)  # [S, G, r] positions of each group's rows
+    st0 = geo.start[:, None, None]
+    idx = torch.where(gp < st0, gp - g0[:, None, None], (r - 1) + gp - st0).clamp(0, r - 2 + Q)
+    flat = idx.flatten(1)
+    d = span_kv.shape[-1]
+    gk = span_kv.gather(1, flat[:, :, None].expand(-1, -1, d)).view(S, G, r, d)
+    gs = span_sc.gather(1, flat[:, :, None].expand(-1, -1, span_sc.shape[-1])).view(S, G, r, -1)
+    return pooled_latent(W, cfg, p, gk, gs), gids, gvalid
 
 
 def topk_idx(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -161,62 +165,92 @@ def candidate_blocks(score: torch.Tensor, clens: torch.Tensor, topk_blocks: int,
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
-def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, seg: Segment, x, qr, latent, groups,
-            rope, shared: dict, comm) -> torch.Tensor:
-    """Compressed-slot indices per query ([n, k] int32, -1 = none), before the window offset."""
+def indexer(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geometry, x, qr, latent, gids,
+            gvalid, rope, shared: dict, comm) -> torch.Tensor:
+    """Compressed-slot picks [S, Q, k] (int64, -1 = none) over the first ctx // ratio compressed rows,
+    before the window offset; publishes the index keys of the step's complete groups first."""
     r = cfg.compress_ratios[layer]
     p = f"layers.{layer}.attn.indexer"
     src = cfg.kv_source_of(layer)
-    s, n = seg.start, seg.n
-    clen = (s + n) // r
-    if layer == src and latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
-        state.ik[layer][seg.slot, groups] = index_keys(W, cfg, p, latent, rope, groups * r)
-        state.ik_last[seg.slot] = layer
+    S, Q = geo.S, geo.Q
+    C = geo.ctx // r
+    if latent is not None:  # publish index keys of the new groups (from the RoPE-free latent)
+        k = index_keys(W, cfg, p, latent.flatten(0, 1), rope, (gids * r).flatten())
+        masked_put(state.ik[layer], geo.slot[:, None], gids, k.view(gids.shape + (-1,)), gvalid)
+        state.ik_last[geo.slot] = layer if gvalid is None else torch.where(gvalid.any(-1), layer,
+                                                                           state.ik_last[geo.slot])
     if state.reference_quirks:
         # The reference reads whichever index-key cache was published LAST: in a decode step where a
         # ratio > 1 source completes no group, that is another source's cache (usually the ratio-1
-        # one, from the previous step). Reproduced only for bit-exact replay of reference decoding;
-        # the default reads this layer's own source, which keeps decode equal to a prefill recompute.
-        src = int(state.ik_last[seg.slot])
-    if clen == 0:
-        return torch.empty(n, 0, dtype=torch.int32, device=x.device)
-    q, w = index_query(W, cfg, p, x, qr, rope, torch.arange(s, s + n, device=x.device))
-    keys = state.ik[src][seg.slot, :clen]
-    score = comm.index_scores(q.unsqueeze(0), keys.unsqueeze(0), w.unsqueeze(0))[0]
-    clens = (torch.arange(s + 1, s + n + 1, device=x.device) // r).unsqueeze(-1)
-    return pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, clen)).int()
+        # one, from the previous step). Reproduced only for bit-exact replay of reference decoding
+        # (an eager host read; the static step refuses quirks); the default reads this layer's own
+        # source, which keeps decode equal to a prefill recompute.
+        if S != 1:
+            raise ValueError("the reference's index-key aliasing is replayed one sequence at a time")
+        src = int(state.ik_last[geo.slot[0]])
+    if C == 0:
+        return torch.empty(S, Q, 0, dtype=torch.long, device=x.device)
+    ihd = cfg.index_head_dim
+    q, w = index_query(W, cfg, p, x, qr, rope, geo.flat_pos)
+    keys = state.ik[src][:, :C][geo.slot]  # [S, C, ihd]
+    score = comm.index_scores(q.view(S, Q, -1, ihd), keys, w.view(S, Q, -1))
+    clens = ((geo.pos + 1) // r).unsqueeze(-1)
+    return pick_compressed(cfg, layer, score, clens, shared, min(cfg.index_topk, C))
 
 
-def attention(W: dict, cfg: ModelConfig, layer: int, x: torch.Tensor, segs: list[Segment],
-              state: ModelState, rope, shared: list[dict], comm, positions: torch.Tensor) -> torch.Tensor:
-    """Attention sublayer of backbone layer `layer` on flattened rows x [T, D] (bf16)."""
+def attend(W: dict, cfg: ModelConfig, layer: int, state: ModelState, geo: Geometry, x, qr, q, kv, rope,
+           shared: dict, comm) -> torch.Tensor:
+    """Attention of the geometry's rows (x, qr, q, kv: its [S*Q, ...] rows of `query`/`window_kv`)
+    over the window and the compressed KV, reading and writing the caches -> o [S*Q, H, hd]."""
     p = f"layers.{layer}.attn"
     hd = cfg.head_dim
+    kv_all = window_span(state, layer, geo, kv)
+    idx = geo.widx
+    ratio = cfg.compress_ratios[layer]
+    if ratio:
+        src = cfg.kv_source_of(layer)
+        latent = gids = gvalid = None
+        if layer == src:
+            latent, gids, gvalid = compress(W, cfg, layer, state, geo, x)
+        if layer in cfg.index_source_layers:
+            cidx = indexer(W, cfg, layer, state, geo, x, qr, latent, gids, gvalid, rope, shared, comm)
+            shared["topk"] = cidx.flatten(0, 1)  # [rows, k]: the picks per row, as the reference's
+        else:
+            cidx = shared["topk"].view(geo.S, geo.Q, -1)
+        if latent is not None:
+            lat = compressed_kv(latent.flatten(0, 1), rope, (gids * ratio).flatten())
+            masked_put(state.ckv[layer], geo.slot[:, None], gids, lat.view(gids.shape + (hd,)), gvalid)
+        comp = state.ckv[src][:, :geo.ctx // ratio][geo.slot]  # [S, C, hd]
+        span = kv_all.shape[1]
+        kv_all = torch.cat([kv_all, comp], dim=1)
+        cidx = torch.where(cidx >= 0, cidx + span, -1)
+        if geo.host is not None:  # the width is a Python value: the reference's slot list as it is
+            s, n = geo.host
+            w = cfg.window_size if (n == 1 and s > 0) else min(s + n, cfg.window_size)
+            idx = torch.cat([geo.widx[..., :w], cidx], dim=-1)
+        else:
+            idx = join_slots(geo.widx, cidx, geo.width)
+    o = ops.sparse_attn(q.view(geo.S, geo.Q, -1, hd), kv_all, W[p + ".attn_sink"], idx.int(), hd ** -0.5)
+    return o.flatten(0, 1)
+
+
+def attention(W: dict, cfg: ModelConfig, layer: int, x: torch.Tensor, geos: list[Geometry],
+              state: ModelState, rope, shared: list[dict], comm, positions: torch.Tensor) -> torch.Tensor:
+    """Attention sublayer of backbone layer `layer` on flattened rows x [T, D] (bf16): the
+    projections over every row at once, `attend` per geometry (an eager step's segments, or the
+    static step's one bucket), the output projection over every row."""
+    p = f"layers.{layer}.attn"
     qr, q = query(W, cfg, p, x, rope, positions)
     kv = window_kv(W, cfg, p, x, rope, positions)
-    ratio = cfg.compress_ratios[layer]
-    src = cfg.kv_source_of(layer)
-    outs = []
-    for seg, sh in zip(segs, shared):
-        rows = slice(seg.off, seg.off + seg.n)
-        kv_all, idx = window_slots(state, layer, seg, kv[rows], cfg.window_size)
-        if ratio:
-            latent, groups = compress(W, cfg, layer, state, seg, x[rows]) if layer == src else (None, None)
-            if layer in cfg.index_source_layers:
-                cidx = indexer(W, cfg, layer, state, seg, x[rows], qr[rows], latent, groups, rope, sh, comm)
-                sh["topk"] = cidx
-            else:
-                cidx = sh["topk"]
-            if latent is not None:
-                state.ckv[layer][seg.slot, groups] = compressed_kv(latent, rope, groups * ratio)
-            comp = state.ckv[src][seg.slot, : seg.end // ratio]
-            cidx = torch.where(cidx >= 0, cidx + kv_all.shape[0], -1).int()
-            kv_all = torch.cat([kv_all, comp])
-            idx = torch.cat([idx, cidx], dim=-1)
-        o = ops.sparse_attn(q[rows].unsqueeze(0), kv_all.unsqueeze(0), W[p + ".attn_sink"],
-                            idx.unsqueeze(0), hd ** -0.5)
-        outs.append(o[0])
-    o = rope.apply(torch.cat(outs), positions, inverse=True)
+    if len(geos) == 1 and geos[0].S * geos[0].Q == x.shape[0]:
+        o = attend(W, cfg, layer, state, geos[0], x, qr, q, kv, rope, shared[0], comm)
+    else:
+        outs = []
+        for geo, sh in zip(geos, shared):
+            rows = slice(geo.off, geo.off + geo.S * geo.Q)
+            outs.append(attend(W, cfg, layer, state, geo, x[rows], qr[rows], q[rows], kv[rows], rope, sh, comm))
+        o = torch.cat(outs)
+    o = rope.apply(o, positions, inverse=True)
     return grouped_out(W, p, cfg, o, comm)
 
 

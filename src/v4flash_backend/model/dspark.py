@@ -20,6 +20,9 @@ import torch
 from v4flash_backend import ops
 
 from .attention import grouped_out, query, window_kv
+from .geometry import masked_put
+from .rope import TableRope
+from .transformer import first_pre_mix
 from .weights import linear
 
 
@@ -56,15 +59,18 @@ class DSparkDrafter:
         W, eps = self.m.W, self.cfg.norm_eps
         return ops.rms_norm(linear(W, "mtp.0.main_proj", taps), W["mtp.0.main_norm.weight"], eps)
 
+    def stage_kv(self, k: int, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
+        """Stage k's main-KV of rows x (the ring rows, and a draft block's own keys)."""
+        rope = rope or self.m.ropes[self.stage_layer(k)]
+        return window_kv(self.m.W, self.cfg, f"mtp.{k}.attn", x, rope, positions)
+
     def write_ring(self, state, slot: int, main_x: torch.Tensor, positions: torch.Tensor) -> None:
         """Store every stage's main-KV of committed rows at ring slot position % window."""
-        W, cfg = self.m.W, self.cfg
-        win = cfg.window_size
+        win = self.cfg.window_size
         keep = min(main_x.shape[0], win)
         main_x, positions = main_x[-keep:], positions[-keep:]
         for k in range(self.n_stages):
-            kv = window_kv(W, cfg, f"mtp.{k}.attn", main_x, self.m.ropes[self.stage_layer(k)], positions)
-            state.dspark[k][slot, positions % win] = kv
+            state.dspark[k][slot, positions % win] = self.stage_kv(k, main_x, positions)
 
     def write_rings(self, state, taps: torch.Tensor, writes) -> None:
         """write_ring for several slots at once: writes [(slot, rows of taps, positions)]. One
@@ -79,49 +85,68 @@ class DSparkDrafter:
         pos = torch.cat([p for _, _, p in keep])
         n = [len(r) for _, r, _ in keep]
         for k in range(self.n_stages):
-            kv = window_kv(self.m.W, self.cfg, f"mtp.{k}.attn", mx, self.m.ropes[self.stage_layer(k)], pos)
+            kv = self.stage_kv(k, mx, pos)
             for (slot, _, p), part in zip(keep, kv.split(n)):
                 state.dspark[k][slot, p % win] = part
 
-    def _attention(self, k: int, x: torch.Tensor, items, state, positions) -> torch.Tensor:
+    def write_ring_rows(self, state, taps: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
+                        valid: torch.Tensor, ropes=None) -> None:
+        """The ring writes of a fixed-shape step: taps [S*Q, n_taps*D] of rows at positions pos [S, Q]
+        of slots slot [S], written where valid [S, Q] (committed rows; at most `window` of them)."""
+        win = self.cfg.window_size
+        S, Q = pos.shape
+        mx = self.main_x(taps)
+        for k in range(self.n_stages):
+            kv = self.stage_kv(k, mx, pos.reshape(-1), ropes[k] if ropes else None)
+            masked_put(state.dspark[k], slot[:, None], pos % win, kv.view(S, Q, -1), valid)
+
+    def _attention(self, k: int, x: torch.Tensor, state, slot, last, positions, rope) -> torch.Tensor:
         W, cfg = self.m.W, self.cfg
         p, hd, win, B = f"mtp.{k}.attn", cfg.head_dim, cfg.window_size, self.B
-        rope = self.m.ropes[self.stage_layer(k)]
         _, q = query(W, cfg, p, x, rope, positions)
-        kv = window_kv(W, cfg, p, x, rope, positions)
-        R = len(items)
-        dev = x.device
-        slots = torch.tensor([slot for slot, _, _ in items], device=dev)
-        last = torch.tensor([pos for _, pos, _ in items], device=dev)
+        kv = self.stage_kv(k, x, positions, rope)
+        R = slot.shape[0]
         # one attention call over every block (it was one per block: about a fifth of a batch-8
         # draft's time went to their per-call cost); the slot lists keep each block's own order
-        bank = torch.cat([state.dspark[k][slots], kv.view(R, B, -1)], dim=1)  # [R, win + B, hd]
+        bank = torch.cat([state.dspark[k][slot], kv.view(R, B, -1)], dim=1)  # [R, win + B, hd]
         o = ops.sparse_attn(q.view(R, B, -1, hd), bank, W[p + ".attn_sink"],
                             block_slots(last, win, B)[:, None, :].expand(R, B, -1), hd ** -0.5)
         o = rope.apply(o.flatten(0, 1), positions, inverse=True)
         return grouped_out(W, p, cfg, o, self.m.comm)
 
-    def draft(self, state, items, captures: dict | None = None) -> DraftOutput:
-        """items: [(slot, p, anchor_id)] where p is the last position whose main-KV is in the ring
-        (the anchor is the token at p + 1). Returns U and the hidden rows for R = len(items)."""
+    def draft_block(self, state, slot: torch.Tensor, last: torch.Tensor, anchor: torch.Tensor, ropes: dict,
+                    moe_form: str | None = None, captures: dict | None = None) -> DraftOutput:
+        """Draft blocks over tensors (no host read): slot, last, anchor [R] on the state's device,
+        `last` the last position whose main-KV is in the ring (the anchor is the token at last + 1);
+        ropes {stage: Rope covering positions <= last + B}; moe_form as in `ffn.moe`."""
         cfg, m, B = self.cfg, self.m, self.B
-        dev = state.dspark[0].device  # every tensor made here follows the state (a device-resident runner)
-        ids = torch.full((len(items), B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
-        ids[:, 0] = torch.tensor([a for _, _, a in items], device=dev)
-        positions = torch.cat([torch.arange(p + 1, p + 1 + B, device=dev) for _, p, _ in items])
+        R = slot.shape[0]
+        dev = slot.device
+        ids = torch.full((R, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchor
+        positions = (last[:, None] + 1 + torch.arange(B, device=dev)).reshape(-1)
         h = ops.hc_expand(m.embed(ids.flatten()), cfg.hc_mult)
-        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=dev)
-        pre_mix[:, 0] = 1.0
+        pre_mix = first_pre_mix(h)
         n_act = cfg.moe_shape(cfg.n_layers)[1]
         for k in range(self.n_stages):
             cap = captures.setdefault(k, {}) if captures is not None else None
             h, pre_mix = m.hc_block(f"mtp.{k}", n_act, h, pre_mix,
-                                    lambda x, k=k: self._attention(k, x, items, state, positions), cap)
+                                    lambda x, k=k: self._attention(k, x, state, slot, last, positions, ropes[k]),
+                                    cap, moe_form)
         x = ops.hc_collapse(h, pre_mix)
         W = m.W
         u = m.comm.head(ops.linear_f32(ops.rms_norm(x, W[self.last + ".norm.weight"], cfg.norm_eps),
                                        W["head.weight"]))
-        return DraftOutput(u.view(len(items), B, -1), x.view(len(items), B, -1))
+        return DraftOutput(u.view(R, B, -1), x.view(R, B, -1))
+
+    def draft(self, state, items, captures: dict | None = None) -> DraftOutput:
+        """items: [(slot, p, anchor_id)] where p is the last position whose main-KV is in the ring
+        (the anchor is the token at p + 1). Returns U and the hidden rows for R = len(items)."""
+        dev = state.dspark[0].device
+        slot, last, anchor = torch.tensor([list(it) for it in items], dtype=torch.long, device=dev).T
+        end = max(p for _, p, _ in items) + 1 + self.B
+        ropes = {k: TableRope(self.m.ropes[self.stage_layer(k)], end) for k in range(self.n_stages)}
+        return self.draft_block(state, slot, last, anchor, ropes, captures=captures)
 
     def markov(self, prev_ids: torch.Tensor):
         """(bias [.., V] f32, embedding [.., rank] bf16) for previous tokens."""
@@ -143,7 +168,7 @@ class DSparkDrafter:
         """Left-to-right argmax with the Markov bias of each predecessor (temperature 0):
         (ids [R, B+1] starting with the anchor, corrected logits [R, B, V], confidence logits [R, B])."""
         R, B = out.base_logits.shape[:2]
-        ids = torch.empty(R, B + 1, dtype=torch.long, device=out.base_logits.device)
+        ids = torch.empty(R, B + 1, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
         logits = out.base_logits.clone()
         embeds = []

@@ -55,7 +55,7 @@ def local_experts(W: dict, p: str) -> list[int]:
 # own routed rows, padded to the busiest expert's count). Both are a few batched GEMMs instead of a
 # per-expert Python loop; the dense one needs no index building, which pays up to about 64 (1 CPU
 # thread, the embedded model: a plain decode row of 8 experts, a batch-1 or -2 draft block of the
-# stages' 4). The static decode graph has its own dense form: trn2/static_step.moe_dense
+# stages' 4). The static decode graph runs form 'all' of `moe` (a dense form of any numerics)
 DENSE_MOE_MIN = 64
 # and up to which either batched form runs; the loop beyond (measured on the embedded model: at 128
 # rows x 8 experts the loop is as fast as the grouped form, whose padding grows with the rows)
@@ -125,24 +125,38 @@ def stacked_experts(W: dict, p: str) -> list:
 
 
 def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tensor, comm,
-        capture: dict | None = None) -> torch.Tensor:
+        capture: dict | None = None, form: str | None = None) -> torch.Tensor:
     """Routed experts summed in fp32 in expert-id order (each output rounded to bf16), then the
-    world reduction, then the shared expert; one final rounding."""
+    world reduction, then the shared expert; one final rounding.
+
+    form: None picks by numerics and size (the batched forms, else a loop over the routed experts:
+    host reads of the routing); 'all' runs every local expert on every row, weighted by a dense
+    [rows, experts] routing matrix that is 0 where a row is not routed -- no host read, one static
+    shape (the static decode step's form). A zero weight makes swiglu's output, hence the expert's,
+    +-0 (activations are clamped, so never 0 * inf), which leaves the fp32 carry unchanged."""
     p = layer_prefix + ".ffn"
     weights, ids = route(W, cfg, p, x, n_act)
     if capture is not None:
         capture["gate_indices"], capture["gate_weights"] = ids, weights
     experts = local_experts(W, p)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train") and len(experts) > 1
-            and x.shape[0] * len(experts) <= BATCHED_MOE_MAX and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
+    if form == "all":
+        dense = torch.zeros(x.shape[0], W[p + ".gate.weight"].shape[0], dtype=weights.dtype,
+                            device=x.device).scatter(1, ids, weights)
+        for e in experts:
+            y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
+    elif form is not None:
+        raise ValueError(f"moe form must be None or 'all', got {form!r}")
+    elif (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train")
+            and len(experts) > 1 and x.shape[0] * len(experts) <= BATCHED_MOE_MAX
+            and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
         # exact numerics make each (row, expert) result independent of which rows share the call,
         # so these batched forms equal the per-expert loop bit for bit (the carry is still added in
         # expert-id order); a zero routing weight gives an exact zero output
         stacks = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
                           cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long, device=x.device)
-        col[torch.tensor(experts)] = torch.arange(len(experts), device=x.device)
+        col[torch.tensor(experts, device=x.device)] = torch.arange(len(experts), device=x.device)
         local = col[ids]
         form = _dense_experts if x.shape[0] * len(experts) <= DENSE_MOE_MIN else _grouped_experts
         out = form(x, local, weights, len(experts), stacks, cfg.swiglu_limit)

@@ -36,13 +36,16 @@ class Rope:
         self.freqs = freqs
         self._table = torch.empty(0, freqs.numel(), dtype=torch.complex64)
 
-    def at(self, positions: torch.Tensor) -> torch.Tensor:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def reserve(self, need: int) -> None:
+        """Grow the table to cover positions < need (a host-side Python value)."""
         if need > self._table.shape[0]:
             n = max(need, 2 * self._table.shape[0], 256)
             # int positions promote to fp32 as the reference does; the table grows where freqs live
             ang = torch.outer(torch.arange(n, device=self.freqs.device), self.freqs)
             self._table = torch.polar(torch.ones_like(ang), ang)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        self.reserve(int(positions.max()) + 1 if positions.numel() else 0)
         return self._table[positions.long()]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -61,6 +64,19 @@ class Rope:
             tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)))
         rot = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
         return torch.cat([x[..., :-rd], rot], dim=-1)
+
+
+class TableRope(Rope):
+    """A Rope whose table already covers every position a step can address, so `at` is a plain
+    gather (`Rope.at` grows its table with `int(positions.max())`, a host read). It shares the
+    table of `rope`, grown once on the host: row p is p * freqs whatever the table length."""
+
+    def __init__(self, rope: Rope, n_positions: int):
+        rope.reserve(n_positions)
+        self.freqs, self._table = rope.freqs, rope._table
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._table[positions.long()]
 
 
 def layer_rope(cfg: ModelConfig, layer: int) -> Rope:

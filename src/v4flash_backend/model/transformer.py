@@ -17,7 +17,8 @@ from v4flash_backend.config import ModelConfig
 
 from .attention import attention
 from .ffn import engram, moe
-from .rope import layer_rope
+from .geometry import Geometry, last_rows, masked_put, segment_geometry
+from .rope import TableRope, layer_rope
 from .state import ModelState, Segment
 from .weights import linear
 
@@ -104,37 +105,49 @@ class V41Model:
         y = table[local.masked_fill(miss, 0)].masked_fill(miss.unsqueeze(-1), 0)
         return self.comm.embed(y)
 
-    def engram_hashes(self, state: ModelState, tokens: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
+    def engram_hashes(self, state: ModelState, tokens: torch.Tensor, segs: list[Segment],
+                      geos: list[Geometry] | None = None) -> torch.Tensor:
         """Table rows [T, n_engram_layers, C] of every new row, updating the per-slot history ring."""
-        N = self.cfg.engram_max_ngram_size
-        R = state.eng_ring
-        out = []
-        for seg in segs:
-            comp = self.hasher.compress(tokens[seg.off:seg.off + seg.n])
-            lo = max(0, seg.start - (N - 1))
-            dev = comp.device
-            seq = torch.cat([state.engram_hist[seg.slot, torch.arange(lo, seg.start, device=dev) % R], comp])
-            t = torch.arange(seg.start, seg.end, device=dev).unsqueeze(1) - torch.arange(N, device=dev)
-            win = torch.where(t >= 0, seq[(t - lo).clamp_min(0)], -1)
-            keep = min(seg.n, R)
-            state.engram_hist[seg.slot, torch.arange(seg.end - keep, seg.end, device=dev) % R] = comp[seg.n - keep:]
-            out.append(self.hasher.hash_windows(win))
-        return torch.cat(out)
+        if tokens.device.type == "cpu":  # ids are host values here: refuse out-of-range ones (the engine
+            self.hasher.compress(tokens)  # validates a device step's ids before they go there)
+        geos = geos or step_geometries(segs, self.cfg.window_size, tokens.device)
+        return torch.cat([self.geometry_hashes(state, tokens[g.off:g.off + g.S * g.Q], g) for g in geos])
+
+    def geometry_hashes(self, state: ModelState, tok: torch.Tensor, geo: Geometry) -> torch.Tensor:
+        """Table rows [S*Q, n_engram_layers, C] of a geometry's rows, updating the history ring
+        (valid rows only)."""
+        hs = self.hasher
+        N, R = self.cfg.engram_max_ngram_size, state.eng_ring
+        comp = hs.token_map[tok.long()].view(geo.S, geo.Q)
+        # the N - 1 positions before the step from the ring (read before it is written), then the
+        # step's own rows: any row count, and the ring keeps only the last R rows of a long chunk
+        dev = tok.device
+        before = (geo.start[:, None] - (N - 1) + torch.arange(N - 1, device=dev)) % R
+        span = torch.cat([state.engram_hist[geo.slot[:, None], before], comp], dim=1)  # positions start-N+1 ..
+        t = geo.pos[:, :, None] - torch.arange(N, device=dev)
+        j = (t - (geo.start[:, None, None] - (N - 1))).clamp_min(0)
+        win = torch.where(t >= 0, span.gather(1, j.flatten(1)).view(t.shape), -1)
+        masked_put(state.engram_hist, geo.slot[:, None], geo.pos % R, comp, last_rows(geo, R))
+        return hs.hash_windows(win).flatten(0, 1)
 
     def block(self, layer: int, h: torch.Tensor, pre_mix: torch.Tensor, segs, state, shared, positions,
-              capture: dict | None = None):
-        """One backbone block on streams h [T, hc, D]; returns (h, the FFN pre-mix for the next block)."""
-        def attn(x):
-            return attention(self.W, self.cfg, layer, x, segs, state, self.ropes[layer], shared, self.comm,
-                             positions)
+              capture: dict | None = None, geos: list[Geometry] | None = None, rope=None, moe_form=None):
+        """One backbone block on streams h [T, hc, D]; returns (h, the FFN pre-mix for the next block).
+        geos: the step's geometries (built from segs when not given); rope: the layer's Rope (a
+        `TableRope` in a step that must not read positions on the host)."""
+        geos = geos or step_geometries(segs, self.cfg.window_size, h.device)
+        rope = rope or self.ropes[layer]
 
-        return self.hc_block(f"layers.{layer}", self.cfg.n_activated_experts, h, pre_mix, attn, capture)
+        def attn(x):
+            return attention(self.W, self.cfg, layer, x, geos, state, rope, shared, self.comm, positions)
+
+        return self.hc_block(f"layers.{layer}", self.cfg.n_activated_experts, h, pre_mix, attn, capture, moe_form)
 
     def hc_block(self, p: str, n_act: int, h: torch.Tensor, pre_mix: torch.Tensor, attn, capture=None,
-                 ffn=None):
+                 moe_form=None):
         """Single-pass mHC block: the attention collapses with the previous block's FFN pre-mix, the
         FFN with the pre-mix this block's attention mixes produced; returns (h, FFN pre-mix).
-        `ffn(x)` replaces the routed MoE (the static step's dense-expert form, `static_step`)."""
+        `moe_form`: the form of `ffn.moe` (None: its own choice; 'all' in the static step)."""
         cfg, W = self.cfg, self.W
         mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         a_pre, a_post, a_comb = ops.hc_mixes(h, W[p + ".hc_attn_fn"], W[p + ".hc_attn_scale"],
@@ -145,7 +158,7 @@ class V41Model:
         f_pre, f_post, f_comb = ops.hc_mixes(h2, W[p + ".hc_ffn_fn"], W[p + ".hc_ffn_scale"],
                                              W[p + ".hc_ffn_base"], *mix)
         x2 = ops.rms_norm(ops.hc_collapse(h2, a_pre), W[p + ".ffn_norm.weight"], cfg.norm_eps)
-        f = moe(W, cfg, p, n_act, self.comm.sp_full(x2), self.comm, capture) if ffn is None else ffn(x2)
+        f = moe(W, cfg, p, n_act, self.comm.sp_full(x2), self.comm, capture, form=moe_form)
         out = ops.hc_post(f, h2, f_post, f_comb)
         if capture is not None:
             capture.update(attn_in=x, attn_out=a, ffn_in=x2, ffn_out=f, x_out=out, pre_mix_out=f_pre)
@@ -169,23 +182,43 @@ class V41Model:
         for seg in segs:
             state.check_fits(seg)
         lo, hi = self.stage
+        if tokens.device.type == "cpu" and any(lo <= i < hi for i in cfg.engram_layer_ids):
+            self.hasher.compress(tokens)  # host ids: refuse out-of-range ones (the engine checks a device step's)
         dev = state.engram_hist.device  # every tensor made here follows the state (a device-resident runner)
         tokens = tokens.to(dev)
-        positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segs])
+        # the step's index tensors on its device, one geometry per segment, and RoPE tables covering
+        # its positions (no host read of positions)
+        geos = step_geometries(segs, cfg.window_size, dev)
+        end = max(s.end for s in segs)
+        ropes = {i: TableRope(self.ropes[i], end) for i in range(lo, hi)}
+        return self.run(state, tokens, geos, ropes, _rows(logits_rows, segs, dev), want_taps, captures)
+
+    def run(self, state: ModelState, tokens: torch.Tensor, geos: list[Geometry], ropes: dict, rows,
+            want_taps: bool = False, captures: dict | None = None, moe_form: str | None = None,
+            split_rows: bool = True) -> StepOutput:
+        """The step over geometries: tokens [T] (the geometries' rows, in order); ropes {layer: Rope}
+        (`TableRope`s: no host read of positions); rows: the rows to compute logits of (a LongTensor,
+        a slice, or None). The static decode step calls it with one bucket geometry, moe_form 'all'
+        and split_rows False (no sequence-parallel row split inside a graph)."""
+        cfg = self.cfg
+        lo, hi = self.stage
+        positions = torch.cat([g.flat_pos for g in geos]) if len(geos) > 1 else geos[0].flat_pos
         eng = [i for i in cfg.engram_layer_ids if lo <= i < hi]
-        hashes = self.engram_hashes(state, tokens, segs) if eng else None
+        hashes = None
+        if eng:
+            hashes = torch.cat([self.geometry_hashes(state, tokens[g.off:g.off + g.S * g.Q], g) for g in geos])
         taps = []
         if lo == 0:
             h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
-            pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=dev)
-            pre_mix[:, 0] = 1.0
+            pre_mix = first_pre_mix(h)
         else:  # a later pipeline stage: the previous stage's full streams, pre-mix and taps so far
             n_in = sum(1 for t in cfg.dspark_target_layer_ids if t < lo) if want_taps else 0
             h, pre_mix, t_in = self.comm.stage_recv(len(tokens), n_in)
             if t_in is not None:
                 taps.append(t_in)
-        shared = [dict() for _ in segs]
-        sp = self.comm.sp_begin(len(tokens))  # sequence parallel: per-token work on rows [a, b) only
+        shared = [dict() for _ in geos]
+        # sequence parallel: per-token work on rows [a, b) only
+        sp = self.comm.sp_begin(len(tokens)) if split_rows else None
         try:
             if sp is not None:
                 h, pre_mix = h[sp[0]:sp[1]], pre_mix[sp[0]:sp[1]]
@@ -198,20 +231,19 @@ class V41Model:
                 cap = captures.setdefault(i, {}) if captures is not None else None
                 if cap is not None:
                     cap.update(x_in=h, pre_mix_in=pre_mix)
-                h, pre_mix = self.block(i, h, pre_mix, segs, state, shared, positions, cap)
+                h, pre_mix = self.block(i, h, pre_mix, None, state, shared, positions, cap, geos, ropes[i], moe_form)
                 if cap is not None:
                     cap["shared"] = [dict(s) for s in shared]
             if sp is not None:  # full rows again before the head or a stage boundary (never send a shard)
                 h, pre_mix = self.comm.sp_full(h), self.comm.sp_full(pre_mix)
                 new_taps = [self.comm.sp_full(torch.cat(new_taps, dim=-1))] if new_taps else []
         finally:
-            self.comm.sp_end()
+            if split_rows:
+                self.comm.sp_end()
         taps += new_taps
         if hi < cfg.n_layers:  # not the last stage: hand over, nothing to return
             self.comm.stage_send(h, pre_mix, torch.cat(taps, dim=-1) if taps else None)
             return StepOutput(None, None, None)
-        rows = _rows(logits_rows, segs)
-        rows = None if rows is None else rows.to(dev)
         logits = hidden = None
         if rows is not None:
             logits, hidden = self.head_logits(h[rows], pre_mix[rows])
@@ -225,13 +257,24 @@ def stream_mean(h: torch.Tensor) -> torch.Tensor:
     return h.mean(dim=1)
 
 
-def _rows(spec, segs):
+def first_pre_mix(h: torch.Tensor) -> torch.Tensor:
+    """The pre-mix of the embedded streams h [T, hc, D]: all of stream 0 -> [T, hc] f32."""
+    pre_mix = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+    pre_mix[:, 0] = 1.0
+    return pre_mix
+
+
+def step_geometries(segs: list[Segment], window: int, device) -> list[Geometry]:
+    return [segment_geometry(s, window, device) for s in segs]
+
+
+def _rows(spec, segs, device):
     if isinstance(spec, str):
         if spec == "none":
             return None
         if spec == "all":
-            return torch.arange(segs[-1].off + segs[-1].n)
+            return torch.arange(segs[-1].off + segs[-1].n, device=device)
         if spec == "last":
-            return torch.tensor([s.off + s.n - 1 for s in segs])
+            return torch.tensor([s.off + s.n - 1 for s in segs], device=device)
         raise ValueError(f"logits_rows must be 'last', 'all', 'none' or a tensor, got {spec!r}")
-    return torch.as_tensor(spec, dtype=torch.long)
+    return torch.as_tensor(spec, dtype=torch.long, device=device)

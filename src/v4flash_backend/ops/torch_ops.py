@@ -130,9 +130,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: tor
         return _sparse_attn_exact(q, kv, sink, idxs, scale)
     b, m, h, d = q.shape
     k = idxs.shape[-1]
-    dev = q.device  # every tensor made here follows the inputs (a device-resident runner)
-    sc = torch.tensor(scale, dtype=torch.float32)  # 0-dim: a scalar operand on any device
+    sc = torch.tensor(scale, dtype=torch.float32)
     qf, kvf = q.float(), kv.float()
+    dev = q.device
     acc = torch.zeros(b, m, h, d, dtype=torch.float32, device=dev)
     denom = torch.zeros(b, m, h, dtype=torch.float32, device=dev)
     run_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=dev)  # finite: empty rows give 0, not NaN
@@ -192,8 +192,8 @@ def _sparse_attn_exact(q, kv, sink, idxs, scale):
     denom = p.sum(-1) + torch.exp(sink.double() - mx)
     pb = p.to(torch.bfloat16).double()
     if dense:  # p back onto the bank's slots (added: a slot listed twice counts twice, as gathered)
-        pn = torch.zeros(b, m, h, n, dtype=torch.float64, device=q.device).scatter_add_(-1, g, pb)
-        o = torch.einsum("bmhn,bnd->bmhd", pn, kvd)
+        bank = torch.zeros(b, m, h, n, dtype=torch.float64, device=q.device).scatter_add_(-1, g, pb)
+        o = torch.einsum("bmhn,bnd->bmhd", bank, kvd)
     else:
         o = torch.einsum("bmhk,bmkd->bmhd", pb, blk)
     return (o / denom.unsqueeze(-1)).to(torch.bfloat16)
