@@ -201,7 +201,10 @@ def _group_compiled_vs_w1_eager(ckpt, world, model):
                             prefill_chunk=16,  # one prefill bucket (16 rows): one more compiled graph
                             decode_graph="static", graph_backend="eager", sps_path=sps_path,
                             warm_processed=False,  # the logit-processing variant: not compiled (not used)
-                            startup_timeout_s=900.0, collective_timeout_s=300.0)
+                            startup_timeout_s=900.0, collective_timeout_s=300.0,
+                            # the same prompt twice: each request prefills it (the counts below), and
+                            # admission reads the given table, not the group's own step timings
+                            prefix_cache_bytes=0, step_cost_online=False)
         reqs = [(PROMPT, 8, 0.0, None), (PROMPT, 8, 0.8, 7)]
         g = RankGroup.launch(settings)
         try:
@@ -215,7 +218,7 @@ def _group_compiled_vs_w1_eager(ckpt, world, model):
             g.shutdown(timeout=60)
     want = []
     for p, k, t, s in reqs:
-        eng = Engine(LocalRunner(model, 2, 40), Settings(max_num_seqs=1, max_model_len=40))
+        eng = Engine(LocalRunner(model, 2, 40), Settings(max_num_seqs=1, max_model_len=40, step_cost_online=False))
         eng.cost = StepCost(SPS)
         ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
         want.append([i for e in ev for i in e.token_ids])
