@@ -213,7 +213,10 @@ def test_eager_host_syncs_are_counted_only_when_asked(tiny_model):
         out[count] = ([t for e in ev for t in e.token_ids], eng.stats())
     assert out[False][0] == out[True][0] and len(out[True][0]) == 6
     assert out[False][1]["host_syncs_per_step"] is None
-    assert out[True][1]["host_syncs_per_step"] > 10
+    # seen when counted: the eager forward is sync-free but for its token-id check (2 reads), and the
+    # step reads back its logits and draft logits on top (6.2 per step here; > 10 before the
+    # forward ran over index tensors, issue 30)
+    assert out[True][1]["host_syncs_per_step"] > 2
     assert Settings().count_host_syncs is False
 
 
