@@ -259,18 +259,19 @@ class LayerCompare:
         self.m.head_logits = self._orig_head
         return False
 
-    def _block(self, layer, h, pre_mix, segs, state, shared, positions, capture=None):
+    def _block(self, layer, h, pre_mix, segs, state, shared, positions, capture=None, *rest):
+        # rest: the step's geometries, the layer's rope and the MoE form (V41Model.block's tail)
         snap = _snapshot(state)
         sh0 = [dict(s) for s in shared]
         cap_t, cap_n = {}, {}
         with backend("torch"):
-            out_t, pre_t = self._orig_block(layer, h, pre_mix, segs, state, shared, positions, cap_t)
+            out_t, pre_t = self._orig_block(layer, h, pre_mix, segs, state, shared, positions, cap_t, *rest)
         snap_t = _snapshot(state)
         sh_t = [dict(s) for s in shared]
         _restore(state, snap)
         sh_n = [dict(s) for s in sh0]
         with backend("nki-sim"):
-            out_n, pre_n = self._orig_block(layer, h, pre_mix, segs, state, sh_n, positions, cap_n)
+            out_n, pre_n = self._orig_block(layer, h, pre_mix, segs, state, sh_n, positions, cap_n, *rest)
         d = LayerDiff(f"{self.phase} layers.{layer}", h.shape[0])
         for k in ("attn_out", "ffn_out", "x_out"):
             d.errs[k] = row_rel(cap_n[k], cap_t[k])
