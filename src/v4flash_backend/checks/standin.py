@@ -194,7 +194,20 @@ def run(args, log=print):
         cpu = argparse.Namespace(**{**vars(args), "device": "cpu"})
         build_engine(_settings(cpu, True, sps), progress=None).warmup()
         log(f"step-cost table profiled on the cpu static path in {time.perf_counter() - t0:.1f} s")
-    os.environ["V4FLASH_BOUNDARY_SPY"] = "1"  # decode rounds count resident-tensor moves
+    spy_was = os.environ.get("V4FLASH_BOUNDARY_SPY")
+    os.environ["V4FLASH_BOUNDARY_SPY"] = "1"  # decode rounds count resident-tensor moves (restored below)
+    try:
+        return _device_run(args, prompts, sps, tmp, report, log)
+    finally:
+        if spy_was is None:
+            os.environ.pop("V4FLASH_BOUNDARY_SPY", None)
+        else:
+            os.environ["V4FLASH_BOUNDARY_SPY"] = spy_was
+
+
+def _device_run(args, prompts, sps, tmp, report, log):
+    from v4flash_backend.group.build import build_engine
+
     t0 = time.perf_counter()
     eng = build_engine(_settings(args, True, sps), progress=sys.stderr)
     eng.warmup()
