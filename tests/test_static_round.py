@@ -165,6 +165,11 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
 
     got, st = serve(sr)
     assert sr.graphs.stats.graphs == 7, "a graph was re-traced while serving"
+    # every graph input has a dtype inductor's CPU code generator takes (the Engram tables' e8m0 scales
+    # enter as their bytes): `graph_backend inductor` compiles these graphs
+    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+
+    assert sr.graphs.stats.input_dtypes and not sr.graphs.stats.input_dtypes - set(DTYPE_TO_CPP)
     want, est = serve(LocalRunner(small_model, 2, 40))
     assert got == want and got[1][-1][1] is not None
     assert st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0

@@ -12,6 +12,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
+import torch._dynamo
+
 from v4flash_backend import ops
 
 from .launch import NeuronSettings
@@ -44,6 +47,7 @@ class CompileStats:
     graphs: int = 0  # graphs handed to the backend (one per bucket and entry point)
     seconds: float = 0.0
     collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
+    input_dtypes: set = field(default_factory=set)  # dtypes of the compiled graphs' tensor inputs
 
 
 def _check_cc_flags(s: NeuronSettings) -> None:
@@ -63,8 +67,6 @@ def _check_cc_flags(s: NeuronSettings) -> None:
 
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
-    import torch._dynamo
-
     ops.backend_module()  # resolve the ops backend now: the graph must not trace an import
     if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
         return fn
@@ -82,6 +84,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         from v4flash_backend.parallel.collectives import graph_collectives
 
         traced["collectives"] = graph_collectives(gm)
+        stats.input_dtypes |= {t.dtype for t in example_inputs if isinstance(t, torch.Tensor)}
         stats.collectives.append(traced["collectives"])
         t0 = time.perf_counter()
         out = inner(gm, example_inputs, **kwargs)

@@ -328,6 +328,10 @@ def _settle_weights(model) -> None:
     call and change objects the compiled graphs were traced against (a re-trace while serving)."""
     from v4flash_backend.model.ffn import local_experts, stacked_experts
 
+    for k in [k for k in model.W if k.endswith(".embed.scale") and model.W[k].dtype == torch.float8_e8m0fnu]:
+        # the Engram tables' scales are read inside the graphs (looked-up rows): as their bytes, which
+        # every backend takes (quant.e8m0_to_float) and a compiler without an e8m0 type (inductor) too
+        model.W[k] = model.W[k].view(torch.uint8)
     prefixes = sorted({k.split(".experts.")[0] for k in model.W if ".experts." in k})
     for p in prefixes:
         local_experts(model.W, p)
