@@ -1,17 +1,20 @@
-"""What counting host syncs costs the eager forward (LocalRunner count_host_syncs on vs off).
+"""What counting host syncs costs the eager forward (LocalRunner count_host_syncs on vs off), or, with
+--grad-modes, what autograd's bookkeeping costs it (LocalRunner's inference mode off vs on).
 
-    .venv/bin/python perf/eager_overhead.py [--checkpoint DIR] [--rounds 5] [--calls 5] [--seqs 1,8]
+    .venv/bin/python perf/eager_overhead.py [--checkpoint DIR] [--rounds 5] [--calls 5] [--seqs 1,8] [--grad-modes]
 
 A decode forward of S sequences x 1 row at a context of 60 tokens, the two runners on the same
 model and the same cached context, timed in interleaved rounds (counted, uncounted, uncounted,
 counted, ...): per S it prints the median milliseconds per forward with the spread (min-max of
 the round medians) and
     eager-overhead: seqs=<S> counted_ms=<a> uncounted_ms=<b> share=<1 - b/a>
+(--grad-modes: `eager-grad-mode: seqs=<S> grad_ms=<a> inference_ms=<b> speedup=<a/b>`)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,6 +30,13 @@ from v4flash_backend.engine.runner import LocalRunner  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 
 
+class GradRunner(LocalRunner):
+    """LocalRunner with autograd's bookkeeping left on (no inference mode): what it was before."""
+
+    def _inference(self):
+        return contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=REPO / "models" / "v4flash-tiny")
@@ -34,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5, help="forwards per mode and round")
     ap.add_argument("--seqs", default="1,8")
     ap.add_argument("--context", type=int, default=60)
+    ap.add_argument("--grad-modes", action="store_true", help="inference mode off vs on (uncounted both)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ops.set_numerics("exact")
@@ -44,7 +55,9 @@ def main(argv=None) -> int:
     context = [torch.randint(3, model.cfg.vocab_size - 2, (ctx,), generator=g) for _ in range(S_max)]
     runners = {}
     for count in (True, False):
-        r = LocalRunner(model, S_max + 1, ctx + 16, count_host_syncs=count)
+        # --grad-modes: the True runner is the one without inference mode (autograd's bookkeeping on)
+        r = (GradRunner if args.grad_modes and count else LocalRunner)(
+            model, S_max + 1, ctx + 16, count_host_syncs=count and not args.grad_modes)
         for s in range(S_max):
             r.forward(context[s], [(s, 0, ctx)], torch.tensor([ctx - 1]), True)
         runners[count] = r
@@ -64,10 +77,15 @@ def main(argv=None) -> int:
             for count in ((True, False) if rnd % 2 == 0 else (False, True)):
                 per[count].append(statistics.median(forward(runners[count], S) for _ in range(args.calls)))
         a, b = (1000 * statistics.median(per[c]) for c in (True, False))
-        for c, name in ((True, "counted"), (False, "uncounted")):
+        names = ("grad", "inference") if args.grad_modes else ("counted", "uncounted")
+        for c, name in zip((True, False), names):
             v = [1000 * x for x in per[c]]
             print(f"  seqs={S} {name:>9}: {statistics.median(v):6.1f} ms [{min(v):.1f}-{max(v):.1f}]")
-        print(f"eager-overhead: seqs={S} counted_ms={a:.1f} uncounted_ms={b:.1f} share={1 - b / a:.2f}", flush=True)
+        if args.grad_modes:
+            print(f"eager-grad-mode: seqs={S} grad_ms={a:.1f} inference_ms={b:.1f} speedup={a / b:.2f}", flush=True)
+        else:
+            print(f"eager-overhead: seqs={S} counted_ms={a:.1f} uncounted_ms={b:.1f} share={1 - b / a:.2f}",
+                  flush=True)
     return 0
 
 

@@ -181,7 +181,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
-        with self.step_lock:
+        # an eager engine's step (sampling, drafting, acceptance around the forward) without autograd's
+        # bookkeeping, as LocalRunner's forward (`LocalRunner._inference`)
+        with self.step_lock, torch.inference_mode(not self.runner.static_rounds):
             self._step()
 
     def _step(self) -> None:

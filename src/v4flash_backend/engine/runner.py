@@ -111,6 +111,13 @@ class LocalRunner:
 
         return HostSyncCounter() if self.counts_host_syncs else NoSyncCounter()
 
+    def _inference(self):
+        """The eager forward without autograd's bookkeeping (version counters, view tracking): a
+        fifth of a CPU decode forward on the tiny model, where the step is mostly per-op dispatch
+        (`perf/eager_overhead.py --grad-modes`). Not on a static runner: its compiled graphs were traced
+        outside inference mode (a guard would re-trace them) and update its state in place."""
+        return torch.inference_mode(not self.static_rounds)
+
     # every method below is one collective-synchronous call in a rank group
     def reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)
@@ -118,7 +125,7 @@ class LocalRunner:
     def forward(self, tokens: torch.Tensor, spec: list[tuple[int, int, int]], logits_rows,
                 want_taps: bool) -> StepOutput:
         """spec: [(slot, start, n)] in row order; logits_rows: LongTensor of rows (or 'last'/'all')."""
-        with self._sync_counter() as hs:
+        with self._sync_counter() as hs, self._inference():
             out = self.model.forward(self.state, tokens, make_segments(spec), logits_rows, want_taps)
         rows = 0 if isinstance(logits_rows, str) else len(logits_rows)
         self._count(hs.total + (out.logits is not None), 8 * (len(tokens) + 3 * len(spec) + rows))
@@ -131,7 +138,7 @@ class LocalRunner:
         items: [(slot, p, anchor)] -> draft blocks at positions p+1..p+B (None if no items)."""
         d = self.drafter
         h2d = 8 * (sum(2 * len(r) + 2 for _, r, _ in writes) + 3 * len(items))
-        with self._sync_counter() as hs:
+        with self._sync_counter() as hs, self._inference():
             if writes:
                 d.write_rings(self.state, self.last_taps, writes)
             out = d.draft(self.state, items) if items else None
