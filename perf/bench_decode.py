@@ -15,9 +15,10 @@ cost pinned for both (admission must not differ by timing), prefix caching and s
 Decode tokens/s: the tokens after each request's first over the time from the group's first token to its
 last; TTFT: a 256-token prompt (max_tokens 1) per path and round. It prints one line per cell
 
-    decode-speed: batch=<B> spec=<off|dspark> base_tok_s=<x> fast_tok_s=<y> speedup=<y/x> ttft_base_ms=<a> ttft_fast_ms=<b> same_tokens=<yes|no>
+    decode-speed: batch=<B> spec=<off|dspark> base_tok_s=<x> fast_tok_s=<y> speedup=<y/x> \
+                  ttft_base_ms=<a> ttft_fast_ms=<b> same_tokens=<yes|no>
 
-(medians over rounds; the spreads, min-max of the rounds, on the line before it). same_tokens: every
+(one line; medians over rounds; the spreads, min-max of the rounds, on the line before it). same_tokens: every
 request's tokens equal on both paths in every round.
 """
 
