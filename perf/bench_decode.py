@@ -63,7 +63,9 @@ def make_runners(model, batch: int, max_len: int, spec: str, backend: str) -> tu
     fast = StaticRunner(model, batch, max_len, buckets=[Bucket(batch, 1 + G, max_len)],
                         settings=NeuronSettings(backend=backend))
     t0 = time.perf_counter()
-    fast.graphs.warm_up(None, mode=spec if spec != "off" else "dspark", stop_width=STOP_WIDTH, processed=False)
+    # the graphs a server of this spec mode compiles (group/build.py): off is the verify round and the
+    # plain-decode round, dspark adds the draft round
+    fast.graphs.warm_up(None, mode=spec, stop_width=STOP_WIDTH, processed=False)
     if spec == "off":
         fast.warm_up_nodraft(None, stop_width=STOP_WIDTH, processed=False)
     return {"base": LocalRunner(model, batch + 1, max_len), "fast": fast}, time.perf_counter() - t0, \
