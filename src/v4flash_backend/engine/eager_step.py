@@ -137,7 +137,7 @@ class EagerStep:
         d = self.runner.drafter
         anchors = torch.tensor([a for _, _, a in items], dtype=torch.long)
         # drafting after the verify of round r draws from round r's drafting stream
-        block = acc.markov_draft(out.base_logits, anchors, lambda prev: d.markov(prev)[0], self._params(seqs),
+        block = acc.markov_draft(out.base_logits, anchors, d.markov_bias, self._params(seqs),
                                  self._sampler(seqs, STREAM_DRAFT, -1), logit_fn=self._draft_logit_fn(seqs))
         room = torch.tensor([min(s.req.max_tokens - s.n_out - 1, self.settings.max_model_len - s.n_cached - 2,
                                  self.gamma) for s in seqs]).clamp_min(0)

@@ -90,7 +90,7 @@ class StepProfiler:
         def draft(R: int):
             out = self.runner.dspark([], [(slots[j], ctx - 1, 3) for j in range(R)])
             params = SamplingParams.make(R, [1.0] * R, [0] * R, [1.0] * R)  # sampled: the costlier host path
-            block = acc.markov_draft(out.base_logits, torch.full((R,), 3), lambda prev: d.markov(prev)[0],
+            block = acc.markov_draft(out.base_logits, torch.full((R,), 3), d.markov_bias,
                                      params, self._sampler_for(R))
             admit(torch.sigmoid(d.confidence(out.hidden, d.markov_embed(block.prev))),
                   lambda B: torch.ones_like(B, dtype=torch.float64))

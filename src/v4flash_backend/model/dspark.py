@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,8 @@ class DSparkDrafter:
         self.n_stages = self.cfg.n_mtp_layers
         self.B = self.cfg.dspark_block_size
         self.last = f"mtp.{self.n_stages - 1}"
+        self._bias_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # markov_bias's memo
+        self._bias_key = None  # the head weights the memo was filled from
 
     def stage_layer(self, k: int) -> int:
         return self.cfg.n_layers + k
@@ -153,6 +156,40 @@ class DSparkDrafter:
         e = self.markov_embed(prev_ids)
         # replicated on every rank (no vocab gather): the engine samples drafts on rank 0 alone
         return ops.linear_f32(e, self.m.W[self.last + ".markov_head.head.weight"]), e
+
+    # the memo's budget: the whole vocabulary of the embedded model (4096 rows of 16 KiB), a few hundred
+    # of the most recent tokens of a 129k vocabulary
+    BIAS_MEMO_BYTES = 64 << 20
+
+    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """B(prev) [R, V] f32 of prev_ids [R] on the eager host path: the bias rows from a memo by
+        token id (least recently used out past BIAS_MEMO_BYTES), the missing ones in one call.
+
+        Why: a draft block calls the Markov head once per draft position, each a [R, rank] x
+        [rank, V] product; in 'exact' numerics (fp64, order-free sums) a row depends on its token
+        alone, so a memo returns the same bits. On the embedded model at batch 1 the five calls were
+        ~1 ms of a ~45 ms DSpark step (perf/bench_dspark.py). Other numerics compute every call, as
+        do the static rounds (`markov`, traced: no host reads there)."""
+        if ops.get_numerics() != "exact" or ops.get_backend() != "torch" or prev_ids.dim() != 1:
+            return self.markov(prev_ids)[0]
+        W, memo = self.m.W, self._bias_rows
+        key = (W[self.last + ".markov_head.embed.weight"], W[self.last + ".markov_head.head.weight"])
+        if self._bias_key is None or any(a is not b for a, b in zip(key, self._bias_key)):
+            memo.clear()  # weights replaced (a reload, training): the rows are another model's
+            self._bias_key = key
+        ids = prev_ids.tolist()
+        got = {t: memo[t] for t in set(ids) if t in memo}
+        miss = sorted(set(ids) - got.keys())
+        if miss:
+            rows = self.markov(torch.tensor(miss, dtype=torch.long, device=prev_ids.device))[0]
+            got.update((t, row.clone()) for t, row in zip(miss, rows))  # own storage: evictable one by one
+        for t in ids:  # most recent last
+            memo[t] = got[t]
+            memo.move_to_end(t)
+        cap = max(1, self.BIAS_MEMO_BYTES // (got[ids[0]].numel() * 4)) if ids else 1
+        while len(memo) > cap:
+            memo.popitem(last=False)
+        return torch.stack([got[t] for t in ids]) if ids else self.markov(prev_ids)[0]
 
     def markov_embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """W1[prev] [.., rank] bf16 alone: what the confidence head reads. The bias's [.., V]
