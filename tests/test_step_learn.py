@@ -107,6 +107,81 @@ def test_a_loaded_machine_is_damped():
     assert lr2.view(prior, "eager").t_step(B, 1, 1) == pytest.approx(4 * t)
 
 
+def test_greedy_and_sampled_steps_learn_apart():
+    """Sampled steps cost 1.5x the greedy steps of the same rows (their host sampling work): each
+    regime's view prices its own steps (exact: tolerance 1e-9 s); a regime with no cell borrows the
+    other's; a sampled drafting step with no cell of its own borrows the sampled plain steps' factor.
+    One set of cells for both (the deliberate mistake) prices sampled drafting at the greedy cost."""
+    prior = prior_off(1.0)
+    lr = StepCostLearner(window=64, floor=8)
+    for _ in range(16):
+        lr.observe("eager", 8, 1, 1, true_step(8, 1), prior)  # greedy drafting
+    assert lr.view(prior, "eager", sampled=True).t_step(8, 1, 1) == pytest.approx(true_step(8, 1), abs=1e-9)
+    for _ in range(16):
+        lr.observe("eager", 2, 1, 0, 1.5 * true_step(2, 0), prior, sampled=True)  # sampled plain only
+    smp, grd = lr.view(prior, "eager", sampled=True), lr.view(prior, "eager", sampled=False)
+    assert smp.t_step(2, 1, 0) == pytest.approx(1.5 * true_step(2, 0), abs=1e-9)
+    assert smp.t_step(8, 1, 1) == pytest.approx(1.5 * true_step(8, 1), abs=1e-9)  # the sampled regime's factor
+    assert grd.t_step(8, 1, 1) == pytest.approx(true_step(8, 1), abs=1e-9)
+    assert grd.t_step(2, 1, 0) == pytest.approx(true_step(2, 0), abs=1e-9)  # greedy plain: from greedy drafting
+    for _ in range(16):
+        lr.observe("eager", 8, 1, 1, 1.5 * true_step(8, 1), prior, sampled=True)
+    assert lr.view(prior, "eager", sampled=True).t_step(8, 1, 1) == pytest.approx(1.5 * true_step(8, 1), abs=1e-9)
+    assert lr.view(prior, "eager").t_step(8, 1, 1) == pytest.approx(true_step(8, 1), abs=1e-9)
+    assert lr.measured("eager", 8, True, sampled=True) and not lr.measured("eager", 2, False)
+    assert set(lr.stats()["step_cost_cells"]) == {"eager/draft/greedy/B~8", "eager/plain/sampled/B~2",
+                                                  "eager/draft/sampled/B~8"}
+
+
+@pytest.mark.slow
+def test_engine_prices_sampled_steps_from_sampled_steps():
+    """An engine serving greedy requests, then sampled ones, on a machine (injected clock) where a
+    sampled step costs 1.5x a greedy step of the same rows: the late sampled steps read
+    ~1.0 over the learned cost (median within 0.9-1.1), and the greedy view still prices greedy steps
+    (within 10 %) after the sampled phase. An engine that learns both regimes in one set of cells
+    (the deliberate mistake: the step's regime dropped) moves the greedy view to the sampled cost."""
+    model = _embedded()
+    for mistake in (False, True):
+        eng, now = _fake_clock_engine(model, [1.0, 1.0])
+        if mistake:
+            eng._sampled_step = lambda: False
+        real_run, real_learn = eng._run_step, eng._learn_step
+        sampled_phase, late = [False], []
+
+        def run_step():
+            t0 = now[0]
+            real_run()
+            if sampled_phase[0]:
+                now[0] += 0.5 * (now[0] - t0)  # the sampled steps' host work: 1.5x the step
+
+        def learn(path, B, S, R, seconds, sampled=False):
+            if sampled_phase[0]:
+                late.append(seconds / float(eng.learned_cost(sampled).t_step(B, S, R)))
+            real_learn(path, B, S, R, seconds, sampled)
+
+        eng._run_step, eng._learn_step = run_step, learn
+        for temperature in (0.0, 1.0):
+            sampled_phase[0] = temperature > 0
+            for i, p in enumerate(PROMPTS * 3):
+                eng.submit(GenerateRequest(prompt=p, max_tokens=40, ignore_eos=True, temperature=temperature,
+                                           seed=i))
+            while eng.has_work():
+                eng.step()
+        greedy = eng.learned_cost(False)
+        probe = [(B, R) for B, R in ((2, 0), (2, 2), (12, 2)) if eng.learner.measured("eager", B, R > 0)]
+        assert probe
+        t_greedy = [float(greedy.t_step(B, 2, R)) for B, R in probe]
+        # the machine's greedy step (the stand-ins' cost of a forward + drafting of 2 requests)
+        want = [0.005 + 0.002 * 2 + 0.0005 * B + (0.003 + 0.001 * 2 if R else 0.0) for B, R in probe]
+        ok = all(abs(t / w - 1.0) <= 0.10 for t, w in zip(t_greedy, want))
+        med = statistics.median(late[len(late) // 2:])
+        if not mistake:
+            assert ok, list(zip(probe, t_greedy, want))
+            assert 0.9 <= med <= 1.1, med
+        else:
+            assert not ok, list(zip(probe, t_greedy, want))
+
+
 # ---- the engine on an injected clock --------------------------------------------------------------
 def _fake_clock_engine(model, slow: list, **settings):
     """An engine whose clock only the runner's stand-ins advance: a forward of n tokens over k
@@ -158,9 +233,10 @@ def test_engine_learns_from_its_steps_after_a_profile_taken_2x_slow():
     steps = []
     real = eng._learn_step
 
-    def learn(path, B, S, R, seconds):
-        steps.append((seconds / float(prior.t_step(B, S, R)), seconds / float(eng.learned_cost().t_step(B, S, R))))
-        real(path, B, S, R, seconds)
+    def learn(path, B, S, R, seconds, sampled=False):
+        steps.append((seconds / float(prior.t_step(B, S, R)),
+                      seconds / float(eng.learned_cost(sampled).t_step(B, S, R))))
+        real(path, B, S, R, seconds, sampled)
 
     eng._learn_step = learn
     outs = {}
@@ -296,7 +372,7 @@ def test_static_rounds_take_the_learned_cost_as_their_table_input(tiny_model):
     while eng.has_work():
         eng.step()
     assert eng.stats()["static_steps"] > 20
-    assert eng.learner.cells and all(p == "static" for p, _, _ in eng.learner.cells)
+    assert eng.learner.cells and all(p == "static" for p, _, _, _ in eng.learner.cells)
     learned = eng.learned_cost()
     assert isinstance(learned, LearnedStepCost)
     last = plans[-1]

@@ -84,7 +84,8 @@ class AdaptivePolicy:
                 and self.settings.spec_mode == "dspark"):
             return False
         B_fixed = len(self.running) * (1 + self.guard.F)
-        return self.guard.explore(self.learner.measured(self.decode_path, B_fixed, drafting=True))
+        return self.guard.explore(self.learner.measured(self.decode_path, B_fixed, drafting=True,
+                                                        sampled=self._sampled_step()))
 
     def _guard_floors(self, seqs: list[Seq]) -> list[int]:
         """The fixed-length guard's floor on admitted drafts, per seq (its regime's; 0 without a guard)."""

@@ -161,9 +161,16 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         """eager | static: the decode steps this engine's runner runs (the learner's cells by path)."""
         return "static" if self.runner.static_rounds else "eager"
 
-    def learned_cost(self) -> StepCost:
-        """The profile corrected by the measured decode steps of this runner's path (step_learn)."""
-        return self.learner.view(self.prior_cost(), self.decode_path, 1 + self.gamma)
+    def learned_cost(self, sampled: bool | None = None) -> StepCost:
+        """The profile corrected by the measured decode steps of this runner's path (step_learn), of
+        the regime of the running requests (sampled: any of them samples) unless `sampled` says."""
+        if sampled is None:
+            sampled = self._sampled_step()
+        return self.learner.view(self.prior_cost(), self.decode_path, 1 + self.gamma, sampled)
+
+    def _sampled_step(self) -> bool:
+        """Does a step over the running requests sample (the learner's regime of the step)?"""
+        return any(s.req.temperature > 0 for s in self.running)
 
     def prior_cost(self) -> StepCost:
         """The step cost, profiled once (step_profile.StepProfiler on this engine's clock) on the free
@@ -242,15 +249,15 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if not timed:
             return self._run_step()
         B, S, drafted0 = sum(1 + s.ell for s in self.running), len(self.running), self.totals["drafted"]
-        static = self._static_ok()
+        static, sampled = self._static_ok(), self._sampled_step()
         self._step_blocks = []
         t0 = self.clock()
         self._run_step()
         seconds = self.clock() - t0
         self._learn_step("static" if static else "eager", B, S, (self.totals["drafted"] - drafted0) // self.gamma,
-                         seconds)
+                         seconds, sampled)
 
-    def _learn_step(self, path: str, B: int, S: int, R: int, seconds: float) -> None:
+    def _learn_step(self, path: str, B: int, S: int, R: int, seconds: float, sampled: bool = False) -> None:
         """The guard first (the step's blocks against fixed-length drafting, priced by the learned cost
         before this step enters it, once fixed's row count is measured: before, the learned cost
         there is the profile under suspicion, extrapolated), then the learner."""
@@ -259,13 +266,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             return
         blocks, self._step_blocks = self._step_blocks, []
         if self.guard is not None and blocks and path == self.decode_path:
-            view = self.learned_cost()
+            view = self.learned_cost(sampled)
             F = self.guard.F
             B_fixed = B + sum(max(0, min(F, room)) - ell for _, ell, _, _, room in blocks)
-            if self.learner.measured(path, B_fixed, drafting=True):
+            if self.learner.measured(path, B_fixed, drafting=True, sampled=sampled):
                 self.guard.observe_step(blocks, seconds, float(view.t_step(B, S, R)),
                                         float(view.t_step(B_fixed, S, R)), S)
-        self.learner.observe(path, B, S, R, seconds, prior)
+        self.learner.observe(path, B, S, R, seconds, prior, sampled)
 
     def _run_step(self) -> None:
         if self._static_ok():

@@ -3,13 +3,21 @@
 The profile (`step_profile`) is taken once, often beside compiles, cache warm-up or other load, and
 was measured 1.4-1.8x off the steps the engine then ran at batch 8 (issue 32). Every decode step's
 measured seconds therefore enter a `StepCostLearner`, keyed by cell (decode path: eager | static;
-drafting or not; B, the verify rows, in half-octave buckets). A cell keeps a window of ratios
+drafting or not; greedy or sampled; B, the verify rows, in half-octave buckets). A cell keeps a window of ratios
 measured / the prior's t_step(B, S, R), and its median is the cell's factor; `LearnedStepCost`
 prices a step as factor(B) x prior, the factor interpolated linearly in B between the cells that
 have one (by their mean B) and held beyond them, so admission's marginal row cost is the measured
 one where steps were seen. A factor, not an offset: a profile taken on a loaded machine is off by a
 factor (issue 32: 0.55-0.73 x at batch 8), and on a fake clock 2x off a held offset priced B = 6 of
 the embedded model 12 % high after learning from B >= 9, a median offset over a cell's mixed B 1 %.
+
+Greedy and sampled steps learn apart (a step is sampled when any of its requests samples): a sampled
+step's host work -- top-k / top-p over every verify row, the drafts drawn from processed logits --
+made a batch-8 drafting step on the embedded model cost ~1.2x the greedy step of the same rows. With
+one set of cells, the greedy cells' factors priced sampled drafting (few sampled drafting steps ever
+fill a cell: stepping aside keeps them rare), DSpark drafted at batch 8, T = 1 where plain was faster
+and read 0.74x plain (perf/bench_dspark.py, held-out, a quiet machine). A regime without cells
+borrows the other's; within a regime, a drafting step without cells borrows the plain steps'.
 
 Robust and bounded, because a shared machine's bursts must not steer admission:
 - a cell moves only with `floor` samples (before: the prior alone);
@@ -48,7 +56,7 @@ def bucket(B: int) -> int:
 
 
 class Cell:
-    """One (path, drafting, B bucket) cell: the last `window` ratios (measured / prior) and the B
+    """One (path, drafting, sampled, B bucket) cell: the last `window` ratios (measured / prior) and the B
     they were measured at."""
 
     def __init__(self, window: int):
@@ -75,22 +83,23 @@ class StepCostLearner:
 
     def __init__(self, window: int = 64, floor: int = 8):
         self.window, self.floor = int(window), int(floor)
-        self.cells: dict[tuple[str, bool, int], Cell] = {}
+        self.cells: dict[tuple[str, bool, bool, int], Cell] = {}
         self.version = 0  # bumped by a sample that makes the views stale (REFRESH, a cell at its floor)
         self._fresh = 0  # samples since the last bump
         self.samples = 0
         self.damped = 0  # samples the winsorisation moved
         self._views: dict = {}
 
-    def observe(self, path: str, B: int, S: int, R: int, seconds: float, prior: StepCost) -> None:
+    def observe(self, path: str, B: int, S: int, R: int, seconds: float, prior: StepCost,
+                sampled: bool = False) -> None:
         """One decode step of `path` over B verify rows of S sequences that drafted for R requests,
-        measured `seconds` (the engine's clock)."""
+        measured `seconds` (the engine's clock); sampled: any of its requests samples."""
         if path not in PATHS or B < 1 or not (seconds > 0 and math.isfinite(seconds)):
             return
         p = float(prior.t_step(B, S, R))
         if not p > 0:
             return
-        key = (path, R > 0, bucket(B))
+        key = (path, R > 0, bool(sampled), bucket(B))
         cell = self.cells.setdefault(key, Cell(self.window))
         r = seconds / p
         lo, hi = 1.0 / BOUND, BOUND
@@ -107,32 +116,37 @@ class StepCostLearner:
         if self._fresh >= REFRESH or len(cell) == self.floor:
             self.version, self._fresh = self.version + 1, 0
 
-    def measured(self, path: str, B: int, drafting: bool) -> bool:
+    def measured(self, path: str, B: int, drafting: bool, sampled: bool = False) -> bool:
         """Has the cell of B its floor of samples?"""
-        c = self.cells.get((path, drafting, bucket(B)))
+        c = self.cells.get((path, drafting, bool(sampled), bucket(B)))
         return c is not None and len(c) >= self.floor
 
-    def points(self, path: str, drafting: bool) -> list[tuple[float, float]]:
-        """(mean B, median ratio) of the cells of (path, drafting) with `floor` samples, by B."""
-        return sorted((c.mean_b(), c.median()) for (p, d, _), c in self.cells.items()
-                      if p == path and d == drafting and len(c) >= self.floor)
+    def points(self, path: str, drafting: bool, sampled: bool = False) -> list[tuple[float, float]]:
+        """(mean B, median ratio) of the cells of (path, drafting, sampled) with `floor` samples, by B."""
+        return sorted((c.mean_b(), c.median()) for (p, d, smp, _), c in self.cells.items()
+                      if p == path and d == drafting and smp == bool(sampled) and len(c) >= self.floor)
 
-    def view(self, prior: StepCost, path: str, rows_per_seq: int = 1) -> StepCost:
-        """The learned cost over `prior` for steps on `path` (the prior itself while no cell moved);
-        rows_per_seq (1 + gamma): a static table's size B holds about B / rows_per_seq drafting rows."""
-        key = (id(prior), path)
+    def view(self, prior: StepCost, path: str, rows_per_seq: int = 1, sampled: bool = False) -> StepCost:
+        """The learned cost over `prior` for steps on `path` of the regime `sampled` (the other
+        regime's where this one has no cell yet; the prior itself while no cell moved); rows_per_seq
+        (1 + gamma): a static table's size B holds about B / rows_per_seq drafting rows."""
+        key = (id(prior), path, bool(sampled))
         got = self._views.get(key)
         if got is not None and got[0] == self.version and got[1] is prior:
             return got[2]
-        pts = {d: self.points(path, d) for d in (False, True)}
+        pts = {d: self.points(path, d, sampled) for d in (False, True)}
+        if not (pts[False] or pts[True]):
+            pts = {d: self.points(path, d, not sampled) for d in (False, True)}
         v = prior if not (pts[False] or pts[True]) else LearnedStepCost(prior, pts, rows_per_seq)
-        self._views = {key: (self.version, prior, v)}
+        self._views = {k: g for k, g in self._views.items() if g[0] == self.version}
+        self._views[key] = (self.version, prior, v)
         return v
 
     def stats(self, path: str | None = None) -> dict:
         """The cells' factors (measured / profile; reported by the engine's stats)."""
-        cells = {f"{p}/{'draft' if d else 'plain'}/B~{c.mean_b():.0f}": (len(c), round(c.median(), 3))
-                 for (p, d, _), c in sorted(self.cells.items()) if path in (None, p)}
+        cells = {f"{p}/{'draft' if d else 'plain'}/{'sampled' if smp else 'greedy'}/B~{c.mean_b():.0f}":
+                 (len(c), round(c.median(), 3))
+                 for (p, d, smp, _), c in sorted(self.cells.items()) if path in (None, p)}
         return dict(step_cost_samples=self.samples, step_cost_damped=self.damped, step_cost_cells=cells)
 
 
