@@ -30,7 +30,7 @@ serve:
 	bash scripts/serve.sh
 
 test: $(STAMP) $(TRITON_STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=20
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
