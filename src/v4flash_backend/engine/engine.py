@@ -28,6 +28,7 @@ from v4flash_backend.settings import Settings
 from v4flash_backend.trn2.round_plan import STOP_WIDTH
 
 from .adaptive import AdaptivePolicy
+from .calibration import regime
 from .eager_step import EagerStep
 from .fixed_guard import FixedGuard
 from .logits import LogitProcessing
@@ -169,8 +170,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         return self.learner.view(self.prior_cost(), self.decode_path, 1 + self.gamma, sampled)
 
     def _sampled_step(self) -> bool:
-        """Does a step over the running requests sample (the learner's regime of the step)?"""
-        return any(s.req.temperature > 0 for s in self.running)
+        """Does a step over the running requests sample (the learner's regime of the step: sampled
+        when any request is in the calibration's and the guard's sampled regime)?"""
+        return any(regime(s.req.temperature) == "sampled" for s in self.running)
 
     def prior_cost(self) -> StepCost:
         """The step cost, profiled once (step_profile.StepProfiler on this engine's clock) on the free

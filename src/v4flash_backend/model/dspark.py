@@ -168,8 +168,8 @@ class DSparkDrafter:
         Why: a draft block calls the Markov head once per draft position, each a [R, rank] x
         [rank, V] product; in 'exact' numerics (fp64, order-free sums) a row depends on its token
         alone, so a memo returns the same bits. On the embedded model at batch 1 the five calls were
-        ~1 ms of a ~45 ms DSpark step (perf/bench_dspark.py). Other numerics compute every call, as
-        do the static rounds (`markov`, traced: no host reads there)."""
+        ~1 ms of a ~45 ms DSpark step (timed per function over held-out prompts). Other numerics
+        compute every call, as do the static rounds (`markov`, traced: no host reads there)."""
         if ops.get_numerics() != "exact" or ops.get_backend() != "torch" or prev_ids.dim() != 1:
             return self.markov(prev_ids)[0]
         W, memo = self.m.W, self._bias_rows
