@@ -170,7 +170,8 @@ class DSparkDrafter:
         alone, so a memo returns the same bits. On the embedded model at batch 1 the five calls were
         ~1 ms of a ~45 ms DSpark step (timed per function over held-out prompts). Other numerics
         compute every call, as do the static rounds (`markov`, traced: no host reads there)."""
-        if ops.get_numerics() != "exact" or ops.get_backend() != "torch" or prev_ids.dim() != 1:
+        if (ops.get_numerics() != "exact" or ops.get_backend() != "torch" or prev_ids.dim() != 1
+                or not prev_ids.numel()):
             return self.markov(prev_ids)[0]
         W, memo = self.m.W, self._bias_rows
         key = (W[self.last + ".markov_head.embed.weight"], W[self.last + ".markov_head.head.weight"])
@@ -186,10 +187,10 @@ class DSparkDrafter:
         for t in ids:  # most recent last
             memo[t] = got[t]
             memo.move_to_end(t)
-        cap = max(1, self.BIAS_MEMO_BYTES // (got[ids[0]].numel() * 4)) if ids else 1
+        cap = max(1, self.BIAS_MEMO_BYTES // (got[ids[0]].numel() * 4))
         while len(memo) > cap:
             memo.popitem(last=False)
-        return torch.stack([got[t] for t in ids]) if ids else self.markov(prev_ids)[0]
+        return torch.stack([got[t] for t in ids])
 
     def markov_embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """W1[prev] [.., rank] bf16 alone: what the confidence head reads. The bias's [.., V]
