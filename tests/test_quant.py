@@ -111,3 +111,34 @@ def test_e8m0_roundtrip():
     p = torch.exp2(torch.arange(-20, 20).float())
     assert torch.equal(Q.e8m0_to_float(Q.float_to_e8m0(p)), p)
     assert torch.equal(Q.float_to_e8m0(p).float(), p)  # agrees with torch's own e8m0 decoding
+
+
+def _fp8_act_reference(x: torch.Tensor, block: int = 32) -> np.ndarray:
+    """The activation fake-quant from its definition, in numpy: per block of `block` values, the scale
+    2^ceil(log2(fp32(max(amax, 1e-4)) * fp32(1/448))), the values divided by it, saturated at 448,
+    rounded to e4m3fn (ml_dtypes), times the scale again."""
+    xs = x.float().numpy().reshape(-1, block)
+    amax = np.maximum(np.abs(xs).max(-1, keepdims=True), np.float32(1e-4)).astype(np.float32)
+    t = (amax * np.float32(1 / 448)).astype(np.float32)
+    s = np.exp2(np.ceil(np.log2(t.astype(np.float64)))).astype(np.float32)
+    q = np.clip(xs / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (q * s).reshape(x.shape)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (3, 2, 512), (7, 32)])
+def test_fp8_activation_fake_quant_equals_its_definition(shape):
+    """fp8_act_quant / _qdq / _dequant_f32 (the form a decode step runs ~100 times) against the
+    numpy definition above, bit for bit, over magnitudes from 2^-14 to 2^12 and all-zero blocks."""
+    g = torch.Generator().manual_seed(len(shape))
+    n = math.prod(shape)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-14, 12, (n // 32, 1), generator=g).float()).expand(
+        -1, 32).reshape(-1)
+    x[:32] = 0.0
+    x[40], x[70] = 448.0, -448.0 * 2.0**-5  # amax at the format's max: the scale's rounding edge
+    x = x.reshape(shape).bfloat16()
+    want = _fp8_act_reference(x)
+    assert np.array_equal(Q.fp8_act_dequant_f32(x).numpy(), want)
+    assert np.array_equal(Q.fp8_act_qdq(x).float().numpy(), want.astype(ml_dtypes.bfloat16).astype(np.float32))
+    q, s = Q.fp8_act_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == shape[:-1] + (shape[-1] // 32,)
+    assert np.array_equal((q.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2).numpy(), want)

@@ -70,9 +70,9 @@ def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
     x = (amax.float() * max_inv).contiguous()
     # adding an all-ones mantissa carries into the exponent exactly when the mantissa is non-zero;
     # clearing the mantissa then leaves 2^(exponent + (mantissa != 0)) -- the reference's rule
-    # for the positive normal values that reach here (amax is floored)
-    bits = x.view(torch.int32)
-    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
+    # for the positive normal values that reach here (amax is floored). In place on the fresh
+    # product: the eager step pays per op call, not per byte, at these sizes.
+    return x.view(torch.int32).add_(0x7FFFFF).bitwise_and_(-0x800000).view(torch.float32)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -124,27 +124,37 @@ def _ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + (y - x).detach()
 
 
+def _fp8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3fn codes [..., K/block, block], fp32 pow2 scales [..., K/block, 1]) of x [..., K].
+
+    A decode step calls this ~100 times on a few rows, where each op call costs more than its
+    arithmetic: the scales keep their block dim (no unsqueeze per use) and the ops that own a fresh
+    result work in place. The values are those of the plain form, bit for bit (test_quant)."""
+    xg = (x.detach() if x.requires_grad else x).float().unflatten(-1, (-1, block))
+    s = pow2_scale(xg.abs().amax(-1, keepdim=True).clamp_min_(1e-4), FP8_MAX_INV)
+    # no saturation needed: s >= fl(amax * fl(1/448)), so |x / s| <= 448 (1 + 2^-23) (two fp32
+    # roundings), which the cast rounds to 448 as the reference's clamp would (it makes NaN only above 464)
+    return (xg / s).to(torch.float8_e4m3fn), s
+
+
 def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-`block` fp8 quantization of an activation (bf16 at inference, as the reference's kernel
     requires; fp32 when training): (e4m3fn codes, fp32 pow2 scales)."""
-    xg = x.detach().float().unflatten(-1, (-1, block))
-    amax = xg.abs().amax(-1).clamp_min(1e-4)
-    s = pow2_scale(amax, FP8_MAX_INV)
-    q = to_e4m3(xg / s.unsqueeze(-1))
-    return q.flatten(-2), s
+    q, s = _fp8_blocks(x, block)
+    return q.flatten(-2), s.squeeze(-1)
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """fp8 quantize-dequantize round trip (window KV, DSpark KV, linear inputs); bf16 out."""
-    q, s = fp8_act_quant(x, block)
-    y = (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    q, s = _fp8_blocks(x, block)
+    y = q.float().mul_(s).flatten(-2).to(x.dtype)
     return _ste(x, y) if x.requires_grad else y
 
 
 def fp8_act_dequant_f32(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """The fp32 values a quantized GEMM actually multiplies (exactly representable products)."""
-    q, s = fp8_act_quant(x, block)
-    y = (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+    q, s = _fp8_blocks(x, block)
+    y = q.float().mul_(s).flatten(-2)
     return _ste(x.float(), y) if x.requires_grad else y
 
 
