@@ -133,6 +133,7 @@ def test_the_soak_reads_http_answers_as_triton_sends_them():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its RSS-growth bound (< 50 MiB) read 101 MiB beside another test on 2 cores, 12 alone
 def test_a_short_soak_with_a_killed_worker_and_bursts(tmp_path):
     http, grpc, metrics = free_ports(3)
     t0 = time.monotonic()
