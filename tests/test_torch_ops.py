@@ -34,3 +34,31 @@ def test_prompt_chunks_take_the_dense_scores():
     tests run both forms: decode steps take the gathered one)."""
     assert torch_ops._dense_scores(125, 187, 80) and torch_ops._dense_scores(40, 40, 40)
     assert not torch_ops._dense_scores(1, 300, 80) and not torch_ops._dense_scores(64, 1000, 80)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_sinkhorn_in_numpy_equals_the_torch_loop(monkeypatch, dtype, rows):
+    """The Sinkhorn normalizations of a few rows run in numpy (fewer per-call costs); over mixes
+    spread wide enough that any other summation order would show (exp of N(0, 4^2) logits), the
+    results must equal the torch loop's bit for bit, in both numerics' dtypes, inside inference mode."""
+    g = torch.Generator().manual_seed(rows)
+    hc, iters, eps = 4, 20, 1e-6
+    scale = torch.rand(3, generator=g, dtype=dtype) + 0.5
+    base = torch.randn(2 * hc + hc * hc, generator=g, dtype=dtype)
+    calls = []
+    real = torch_ops._sinkhorn_numpy
+    monkeypatch.setattr(torch_ops, "_sinkhorn_numpy", lambda *a: calls.append(1) or real(*a))
+    for trial in range(50):
+        m = torch.randn(rows, 2 * hc + hc * hc, generator=g, dtype=dtype) * 4
+        with torch.inference_mode():
+            got = torch_ops._split_sinkhorn(m, scale, base, hc, iters, eps)
+        monkeypatch.setattr(torch_ops, "_NUMPY_SINKHORN_MAX", 0)
+        want = torch_ops._split_sinkhorn(m, scale, base, hc, iters, eps)
+        monkeypatch.setattr(torch_ops, "_NUMPY_SINKHORN_MAX", 16)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), trial
+    assert len(calls) == 50  # the numpy loop ran (and the torch loop when it was off)
+    m.requires_grad_(True)
+    torch_ops._split_sinkhorn(m, scale, base, hc, iters, eps)[2].sum().backward()  # autograd: torch's loop
+    assert len(calls) == 50 and m.grad is not None
