@@ -62,3 +62,17 @@ def test_sinkhorn_in_numpy_equals_the_torch_loop(monkeypatch, dtype, rows):
     m.requires_grad_(True)
     torch_ops._split_sinkhorn(m, scale, base, hc, iters, eps)[2].sum().backward()  # autograd: torch's loop
     assert len(calls) == 50 and m.grad is not None
+
+
+def test_sinkhorn_under_torch_compile_keeps_the_torch_loop():
+    """Inside torch.compile the traced tensors look plain; the numpy loop must not be traced (it
+    would break the graph: the static rounds compile fullgraph). Same values as eager."""
+    g = torch.Generator().manual_seed(7)
+    m = torch.randn(2, 24, generator=g, dtype=torch.float64) * 4
+    scale, base = torch.rand(3, generator=g, dtype=torch.float64) + 0.5, torch.randn(24, generator=g,
+                                                                                      dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(torch_ops._split_sinkhorn, backend="eager", fullgraph=True)
+    got = compiled(m, scale, base, 4, 20, 1e-6)
+    want = torch_ops._split_sinkhorn(m, scale, base, 4, 20, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

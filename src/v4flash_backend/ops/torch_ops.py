@@ -254,8 +254,12 @@ _NUMPY_SINKHORN_MAX = 16
 
 
 def _numpy_sinkhorn(c: torch.Tensor) -> bool:
-    """A plain CPU tensor outside any trace or autograd (a subclass -- fake, functional -- is a trace)."""
-    return (type(c) is torch.Tensor and c.device.type == "cpu" and not c.requires_grad
+    """A plain CPU tensor outside any trace, autograd or watcher: not under torch.compile (whose
+    traced tensors look plain), not a subclass (fake, functional: other traces), no torch-function
+    mode on (the runners' host-sync counter: `.numpy()` is a device read it must see, and on a
+    device the static path never takes this loop, so its counts must not differ on a CPU)."""
+    return (not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
+            and type(c) is torch.Tensor and c.device.type == "cpu" and not c.requires_grad
             and c.shape[-1] == c.shape[-2] <= 4  # sums of <= 4 values: the same order in both
             and c.numel() <= _NUMPY_SINKHORN_MAX * c.shape[-1] * c.shape[-2] and c.is_contiguous())
 
