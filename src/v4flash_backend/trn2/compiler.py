@@ -8,6 +8,7 @@ torch-neuronx / TorchNeuron, or `neuron_libtorch` = libtorch-neuronx-lite, which
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,15 @@ def _check_cc_flags(s: NeuronSettings) -> None:
                            "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
 
 
+def _inductor_precision():
+    """Inductor keeps eager's rounding between fused ops (a bf16 or fp8 result rounded before the
+    next op reads it). Without it, the compiled rounds' greedy tokens drifted from the eager path's
+    (perf/bench_decode.py: same_tokens=no; with it, yes)."""
+    from torch._inductor import config
+
+    return config.patch(emulate_precision_casts=True)
+
+
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
     ops.backend_module()  # resolve the ops backend now: the graph must not trace an import
@@ -75,6 +85,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         _check_cc_flags(s)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
+    precision = _inductor_precision() if s.backend == "inductor" else contextlib.nullcontext()
     stats = stats if stats is not None else CompileStats()
 
     def checked(gm, example_inputs):
@@ -87,7 +98,8 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         stats.input_dtypes |= {t.dtype for t in example_inputs if isinstance(t, torch.Tensor)}
         stats.collectives.append(traced["collectives"])
         t0 = time.perf_counter()
-        out = inner(gm, example_inputs, **kwargs)
+        with precision:
+            out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
         return out
