@@ -9,6 +9,10 @@ counted, ...): per S it prints the median milliseconds per forward with the spre
 the round medians) and
     eager-overhead: seqs=<S> counted_ms=<a> uncounted_ms=<b> share=<1 - b/a>
 (--grad-modes: `eager-grad-mode: seqs=<S> grad_ms=<a> inference_ms=<b> speedup=<a/b>`)
+
+The counted forward is the one `generate --step-report` runs; besides the counter it keeps the
+Sinkhorn loop in torch (the numpy loop of a few rows stays out of a torch-function mode,
+`ops/torch_ops._numpy_sinkhorn`), so `share` holds that difference too.
 """
 
 from __future__ import annotations
