@@ -228,7 +228,7 @@ class CheckpointReader:
             # Copying out of a map of a file's holes makes the kernel allocate and zero a page-cache
             # page per 4 KiB (~0.5 GB/s on the release-shaped test checkpoint, 474 GiB apparent);
             # positioned reads skip the holes and zero the destination instead.
-            h = self._handles[fname] = _PreadHandle(self.dir / fname)
+            h = self._handles[fname] = _PreadHandle(self.dir / fname, sparse=True)
         if h is None:
             try:
                 h = _safe_open(str(self.dir / fname), framework="pt", device="cpu")
@@ -311,7 +311,7 @@ class _PreadHandle:
     that owns its memory. Used for files too large to map and for sparse files, whose holes it
     fills with zeros without reading them (see `CheckpointReader._handle`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sparse: bool = False):
         self.path = path
         header = read_header(path)
         with open(path, "rb") as f:
@@ -320,7 +320,7 @@ class _PreadHandle:
         self._meta = {k: v for k, v in header.items() if k != "__metadata__"}
         self._fd = os.open(path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
-        self._sparse = _is_sparse(path)
+        self._sparse = sparse  # ask where its data is (SEEK_DATA / SEEK_HOLE) before reading
 
     def _read_into(self, out: torch.Tensor, offset: int) -> None:
         arr = out.view(torch.uint8).numpy() if out.numel() else None
