@@ -48,22 +48,41 @@ class Rope:
         self.reserve(int(positions.max()) + 1 if positions.numel() else 0)
         return self._table[positions.long()]
 
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """(cos, sin) of positions as fp32 pairs [T, rope_head_dim / 2, 2]: the table's values."""
+        return torch.view_as_real(self.at(positions))
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last rope channels of x [T, ..., d] by positions [T]; returns a new tensor."""
         rd = 2 * self.freqs.numel()
-        cis = self.at(positions)
-        if inverse:
-            cis = cis.conj()
-        cis = cis.view(cis.shape[0], *([1] * (x.dim() - 2)), cis.shape[-1])
         from v4flash_backend import ops
 
-        if ops.get_numerics() == "exact":  # complex128: no FMA / vectorization dependence
-            tail = torch.view_as_complex(x[..., -rd:].double().unflatten(-1, (-1, 2)))
-            cis = cis.to(torch.complex128)
-        else:
+        if ops.get_numerics() == "exact":
+            rot = _rotate_exact(x[..., -rd:], self.cos_sin(positions), inverse)
+        else:  # the reference's complex64 product
+            cis = self.at(positions)
+            if inverse:
+                cis = cis.conj()
+            cis = cis.view(cis.shape[0], *([1] * (x.dim() - 2)), cis.shape[-1])
             tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)))
-        rot = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
-        return torch.cat([x[..., :-rd], rot], dim=-1)
+            rot = torch.view_as_real(tail * cis).flatten(-2)
+        return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
+
+
+def _rotate_exact(tail: torch.Tensor, cs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """(a + bi)(c + si) on interleaved pairs in fp64 real arithmetic, rounded once by the caller.
+
+    a, b are bf16 or fp32 and c, s fp32 (<= 24-bit significands), so every product is exact in fp64
+    and each output is one rounding of (ac - bs) or (as + bc): the same bits as a complex128 product
+    however it is evaluated (fused or not, vectorized or not). Real ops, unlike complex ones, are
+    what a compiler generates code for (inductor falls back to eager for complex operators)."""
+    cs = cs.double().view(cs.shape[0], *([1] * (tail.dim() - 2)), cs.shape[-2], 2)
+    c, s = cs[..., 0], cs[..., 1]
+    if inverse:  # the conjugate rotation
+        s = -s
+    t = tail.double().unflatten(-1, (-1, 2))
+    a, b = t[..., 0], t[..., 1]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
 
 
 class TableRope(Rope):
@@ -74,9 +93,14 @@ class TableRope(Rope):
     def __init__(self, rope: Rope, n_positions: int):
         rope.reserve(n_positions)
         self.freqs, self._table = rope.freqs, rope._table
+        # the same values as real pairs, so that a graph gathering them holds no complex tensor
+        self._cos_sin = torch.view_as_real(self._table).clone()
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         return self._table[positions.long()]
+
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._cos_sin[positions.long()]
 
 
 def layer_rope(cfg: ModelConfig, layer: int) -> Rope:
