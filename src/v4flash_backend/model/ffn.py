@@ -140,26 +140,28 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         capture["gate_indices"], capture["gate_weights"] = ids, weights
     experts = local_experts(W, p)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if form == "all":
+    if form not in (None, "all"):
+        raise ValueError(f"moe form must be None or 'all', got {form!r}")
+    # exact numerics make each (row, expert) result independent of which rows share the call, so the
+    # batched forms equal the per-expert loop bit for bit (the carry is still added in expert-id
+    # order); a zero routing weight gives an exact zero output
+    batched = (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train")
+               and len(experts) > 1 and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2)
+    if form == "all" and not batched:
         dense = torch.zeros(x.shape[0], W[p + ".gate.weight"].shape[0], dtype=weights.dtype,
                             device=x.device).scatter(1, ids, weights)
         for e in experts:
             y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
-    elif form is not None:
-        raise ValueError(f"moe form must be None or 'all', got {form!r}")
-    elif (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train")
-            and len(experts) > 1 and x.shape[0] * len(experts) <= BATCHED_MOE_MAX
-            and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2):
-        # exact numerics make each (row, expert) result independent of which rows share the call,
-        # so these batched forms equal the per-expert loop bit for bit (the carry is still added in
-        # expert-id order); a zero routing weight gives an exact zero output
+    elif batched and (form == "all" or x.shape[0] * len(experts) <= BATCHED_MOE_MAX):
+        # form 'all' (a static graph): the dense form at any size, three batched GEMMs and no host read
         stacks = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
                           cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long, device=x.device)
         col[torch.tensor(experts, device=x.device)] = torch.arange(len(experts), device=x.device)
         local = col[ids]
-        form = _dense_experts if x.shape[0] * len(experts) <= DENSE_MOE_MIN else _grouped_experts
-        out = form(x, local, weights, len(experts), stacks, cfg.swiglu_limit)
+        dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
+        out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
+                                                                    cfg.swiglu_limit)
         for e in range(len(experts)):
             y += out[e]
     else:

@@ -25,6 +25,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x.double() @ w.double().T)
     return x.float() @ w.float().T
 
+
 _SPARSE_BLOCK = 64  # the reference kernel's online-softmax block; p is rounded per block max
 
 
@@ -64,7 +65,16 @@ def _batched(deq, weight, scale):
 def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.dim() == 2:
         return _mm(x, w)
-    return x.double() @ w.double().transpose(-1, -2) if _exact() else x.float() @ w.float().transpose(-1, -2)
+    if not _exact():
+        return x.float() @ w.float().transpose(-1, -2)
+    if x.dim() == 3 and x.shape[1] == 1 and torch.compiler.is_compiling():
+        # inductor lowers a CPU bmm with one row per batch to a fused reduction that recomputes the
+        # row's producers (here the fp8 activation quantization) for every output column: ~0.8 ms
+        # per MoE layer of the embedded model at batch 1. One GEMM per batch entry keeps it BLAS
+        # (a zero second row would too, at twice the fp64 work: measured slower).
+        xd, wd = x.double(), w.double()
+        return torch.stack([xd[e] @ wd[e].T for e in range(x.shape[0])])
+    return x.double() @ w.double().transpose(-1, -2)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,15 @@ class StaticGraphs:
         self.executions += 1
         return self.draft_graph(b)(taps, commit, slot, start, anchor)
 
+    def prime(self, mode: str = "off", fixed_len: int = 0, stop_width: int = 8) -> None:
+        """One uncompiled padding round: it fills the host-side caches of the ops backend and of
+        DistComm (dequantized weights, stacked experts, the weights the fp64 copies are made of) --
+        traced before that, the graphs would capture the cache fills and be re-traced once serving
+        has filled them."""
+        b = self.buckets[0]
+        StaticGraphs(self.decoder, [b], NeuronSettings(backend="none"), blocks=self.blocks).round(
+            b, mode, fixed_len, self.round_padding(b, stop_width))
+
     def round_padding(self, b: Bucket, stop_width: int, processed: bool = False) -> dict:
         """Inputs of a round of padding sequences only (`RoundPlan.padding_inputs`) on the device:
         it changes no real slot's state, so it compiles the round graphs at start."""
@@ -188,13 +197,7 @@ class StaticGraphs:
         t0 = time.perf_counter()
         bar.show(0, "")
         if self.blocks is not None and self.buckets and self.settings.backend != "none":
-            # one uncompiled padding round first fills the host-side caches of the ops backend and
-            # of DistComm (dequantized weights): traced before that, the graphs would capture the
-            # cache fills and be re-traced once serving has filled them
-            b = self.buckets[0]
-            none = NeuronSettings(backend="none")
-            StaticGraphs(dec, [b], none, blocks=self.blocks).round(b, mode or "off", fixed_len,
-                                                                  self.round_padding(b, stop_width))
+            self.prime(mode or "off", fixed_len, stop_width)
         for i, b in enumerate(self.buckets):
             if self.blocks is not None:
                 for proc in (False, True)[:1 + processed]:  # the plain and the logit-processing variant
