@@ -79,24 +79,26 @@ def test_neuron_backend_without_the_sdk_fails_with_a_hint():
 
 def test_inductor_compiles_with_eager_precision_casts(monkeypatch):
     """graph_backend inductor compiles with emulate_precision_casts (eager's rounding between fused
-    ops; without it the compiled rounds' greedy tokens drifted, perf/bench_decode.py); other backends
-    compile without it. The backend is replaced by a recorder: what it sees is what inductor would."""
+    ops; without it the compiled rounds' greedy tokens drifted, perf/bench_decode.py) and the C++
+    wrapper; other backends compile without either. The backend is replaced by a recorder: what it
+    sees is what inductor would."""
     from torch._inductor import config
 
     seen = []
 
     def recorder(gm, example_inputs):
-        seen.append(config.emulate_precision_casts)
+        seen.append((config.emulate_precision_casts, config.cpp_wrapper))
         return gm.forward
 
     monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: recorder)
-    before = config.emulate_precision_casts  # False unless $TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1
-    for backend, want in (("inductor", True), ("aot_eager", before)):
+    # False unless $TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1 / $TORCHINDUCTOR_CPP_WRAPPER=1
+    before = (config.emulate_precision_casts, config.cpp_wrapper)
+    for backend, want in (("inductor", (True, True)), ("aot_eager", before)):
         torch._dynamo.reset()
         seen.clear()
         out = neuron.compile_step(lambda x: x * 2 + 1, neuron.NeuronSettings(backend=backend))(torch.ones(3))
         assert torch.equal(out, torch.full((3,), 3.0)) and seen == [want], (backend, seen)
-    assert config.emulate_precision_casts is before  # set only while compiling
+    assert (config.emulate_precision_casts, config.cpp_wrapper) == before  # set only while compiling
 
 
 def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypatch):

@@ -66,13 +66,16 @@ def _check_cc_flags(s: NeuronSettings) -> None:
                            "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
 
 
-def _inductor_precision():
-    """Inductor keeps eager's rounding between fused ops (a bf16 or fp8 result rounded before the
-    next op reads it). Without it, the compiled rounds' greedy tokens drifted from the eager path's
-    (perf/bench_decode.py: same_tokens=no; with it, yes)."""
+def _inductor_config():
+    """How `graph_backend inductor` compiles. emulate_precision_casts: eager's rounding between fused
+    ops (a bf16 or fp8 result rounded before the next op reads it); without it the compiled rounds'
+    greedy tokens drifted from the eager path's (perf/bench_decode.py: same_tokens=no; with it, yes).
+    cpp_wrapper: the graph's driver in C++ too, not a Python function calling ~800 kernels and BLAS
+    calls one by one (a batch-1 plain decode round of the embedded model: ~8.2 -> ~6.8 ms a call,
+    perf/bench_decode.py)."""
     from torch._inductor import config
 
-    return config.patch(emulate_precision_casts=True)
+    return config.patch(emulate_precision_casts=True, cpp_wrapper=True)
 
 
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
@@ -85,7 +88,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         _check_cc_flags(s)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
-    precision = _inductor_precision() if s.backend == "inductor" else contextlib.nullcontext()
+    precision = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
     stats = stats if stats is not None else CompileStats()
 
     def checked(gm, example_inputs):
