@@ -174,9 +174,8 @@ class StaticGraphs:
 
     def prime(self, mode: str = "off", fixed_len: int = 0, stop_width: int = 8) -> None:
         """One uncompiled padding round: it fills the host-side caches of the ops backend and of
-        DistComm (dequantized weights, stacked experts, the weights the fp64 copies are made of) --
-        traced before that, the graphs would capture the cache fills and be re-traced once serving
-        has filled them."""
+        DistComm (dequantized weights, stacked experts) -- traced before that, the graphs would
+        capture the cache fills and be re-traced once serving has filled them."""
         b = self.buckets[0]
         StaticGraphs(self.decoder, [b], NeuronSettings(backend="none"), blocks=self.blocks).round(
             b, mode, fixed_len, self.round_padding(b, stop_width))
