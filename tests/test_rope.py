@@ -1,11 +1,12 @@
-"""RoPE under 'exact' numerics: fp64 real arithmetic on (cos, sin) pairs, the bits of a complex128 product,
-and no complex tensor in a static graph (inductor generates no code for complex operators)."""
+"""RoPE under 'exact' numerics: op by op a complex128 product; in a compiled graph fp64 real arithmetic on
+(cos, sin) pairs with the same bits and no complex tensor (inductor generates no code for complex
+operators)."""
 
 import pytest
 import torch
 
 from v4flash_backend import ops
-from v4flash_backend.model.rope import Rope, TableRope, rope_freqs
+from v4flash_backend.model.rope import Rope, TableRope, _rotate_exact, rope_freqs
 
 
 def _complex128(x, rope: Rope, positions, inverse):
@@ -40,12 +41,18 @@ def test_exact_rotation_is_the_complex128_product_bit_for_bit(exact, dtype, inve
     x = (torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
     positions = torch.randint(0, 70000, (shape[0],), generator=g)
     want = _complex128(x, rope, positions, inverse)
-    got = rope.apply(x, positions, inverse)
+    got = rope.apply(x, positions, inverse)  # op by op: the complex128 form
     assert got.dtype == dtype
     assert torch.equal(got, want)
+    # the real form, which a compiled graph takes, directly and through a trace of TableRope.apply
+    rd = 2 * freqs.numel()
+    real = _rotate_exact(x[..., -rd:], rope.cos_sin(positions), inverse).to(dtype)
+    assert torch.equal(real, want[..., -rd:])
     table = TableRope(rope, 70000)
-    assert torch.equal(table.apply(x, positions, inverse), want)
-    assert not torch.equal(rope.apply(x, positions, not inverse), want)  # the direction matters
+    traced = torch.compile(lambda x, p: table.apply(x, p, inverse), backend="eager", fullgraph=True)
+    assert torch.equal(traced(x, positions), want)
+    assert not torch.equal(_rotate_exact(x[..., -rd:], rope.cos_sin(positions), not inverse).to(dtype),
+                           want[..., -rd:])  # the direction matters
 
 
 def test_a_static_graph_holds_no_complex_tensor(exact):
