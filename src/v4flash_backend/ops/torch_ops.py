@@ -25,7 +25,6 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x.double() @ w.double().T)
     return x.float() @ w.float().T
 
-
 _SPARSE_BLOCK = 64  # the reference kernel's online-softmax block; p is rounded per block max
 
 

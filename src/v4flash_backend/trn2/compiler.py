@@ -71,8 +71,8 @@ def _inductor_config():
     ops (a bf16 or fp8 result rounded before the next op reads it); without it the compiled rounds'
     greedy tokens drifted from the eager path's (perf/bench_decode.py: same_tokens=no; with it, yes).
     cpp_wrapper: the graph's driver in C++ too, not a Python function calling ~800 kernels and BLAS
-    calls one by one (a batch-1 plain decode round of the embedded model: ~8.2 -> ~6.8 ms a call,
-    perf/bench_decode.py)."""
+    calls one by one (a batch-1 plain decode round of the embedded model: ~8.2 -> ~6.8 ms a call in a
+    one-off profile; perf/bench_decode.py has the tokens/s)."""
     from torch._inductor import config
 
     return config.patch(emulate_precision_casts=True, cpp_wrapper=True)
