@@ -80,6 +80,7 @@ class StaticGraphs:
     stats: CompileStats = field(default_factory=CompileStats)
     blocks: object = None  # static_round.BlockState: the served round graphs (None: bare verify/draft)
     executions: int = 0  # graph executions (verify + draft calls)
+    primed: bool = False  # `prime` ran (the host-side caches it fills are the model's: once is enough)
     _verify: dict = field(default_factory=dict)
     _draft: dict = field(default_factory=dict)
     _rverify: dict = field(default_factory=dict)
@@ -179,6 +180,7 @@ class StaticGraphs:
         b = self.buckets[0]
         StaticGraphs(self.decoder, [b], NeuronSettings(backend="none"), blocks=self.blocks).round(
             b, mode, fixed_len, self.round_padding(b, stop_width))
+        self.primed = True
 
     def round_padding(self, b: Bucket, stop_width: int, processed: bool = False) -> dict:
         """Inputs of a round of padding sequences only (`RoundPlan.padding_inputs`) on the device:

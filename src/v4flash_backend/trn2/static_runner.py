@@ -73,7 +73,8 @@ class StaticRunner(LocalRunner):
         if self.ngraphs is None or self.graphs.settings.backend == "none":
             return
         bar = _Progress(len(self.ngraphs.buckets), progress)
-        self.ngraphs.prime("off", 0, stop_width)
+        if not (self.graphs.primed or self.ngraphs.primed):  # servers warm the round graphs first
+            self.ngraphs.prime("off", 0, stop_width)
         for i, b in enumerate(self.ngraphs.buckets):
             for proc in (False, True)[:1 + processed]:
                 self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
