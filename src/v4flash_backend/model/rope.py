@@ -67,12 +67,9 @@ class Rope:
             if inverse:
                 cis = cis.conj()
             cis = cis.view(cis.shape[0], *([1] * (x.dim() - 2)), cis.shape[-1])
-            if exact:
-                tail = torch.view_as_complex(x[..., -rd:].double().unflatten(-1, (-1, 2)))
-                cis = cis.to(torch.complex128)
-            else:
-                tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)))
-            rot = torch.view_as_real(tail * cis).flatten(-2)
+            tail = torch.view_as_complex(x[..., -rd:].to(torch.float64 if exact else torch.float32)
+                                         .unflatten(-1, (-1, 2)))
+            rot = torch.view_as_real(tail * cis.to(tail.dtype)).flatten(-2)
         return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
 
 

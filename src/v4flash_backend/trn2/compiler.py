@@ -88,7 +88,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         _check_cc_flags(s)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
-    precision = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
+    backend_config = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
     stats = stats if stats is not None else CompileStats()
 
     def checked(gm, example_inputs):
@@ -101,7 +101,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
         stats.input_dtypes |= {t.dtype for t in example_inputs if isinstance(t, torch.Tensor)}
         stats.collectives.append(traced["collectives"])
         t0 = time.perf_counter()
-        with precision:
+        with backend_config:
             out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
