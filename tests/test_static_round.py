@@ -163,8 +163,15 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
             out.append([(e.token_ids, e.logprobs) for e in ev])
         return out, eng.stats()
 
+    def calls():
+        return sr.graphs.executions + sr.ngraphs.executions, sr.graphs.stats.express_calls
+
+    before = calls()
     got, st = serve(sr)
     assert sr.graphs.stats.graphs == 7, "a graph was re-traced while serving"
+    # trn2.express: after warm-up, graph calls skip dynamo's guards (the tokens below are compared)
+    runs, express = (a - b for a, b in zip(calls(), before))
+    assert runs > 0 and express == runs
     # every graph input has a dtype inductor's CPU code generator takes (the Engram tables' e8m0 scales
     # enter as their bytes): `graph_backend inductor` compiles these graphs
     from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP

@@ -18,6 +18,7 @@ import torch._dynamo
 
 from v4flash_backend import ops
 
+from .express import Express
 from .launch import NeuronSettings
 from .static_step import graph_host_syncs
 
@@ -49,6 +50,7 @@ class CompileStats:
     seconds: float = 0.0
     collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
     input_dtypes: set = field(default_factory=set)  # dtypes of the compiled graphs' tensor inputs
+    express_calls: int = 0  # calls that went to a compiled graph without dynamo's guards (trn2.express)
 
 
 def _check_cc_flags(s: NeuronSettings) -> None:
@@ -105,13 +107,21 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
             out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
-        return out
+        return out if express is None else express.plan(gm, example_inputs, out)
 
     traced: dict = {}
     compiled = torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
+    express = None if s.guard_every_call else Express(fn)
 
     def run(*args):
-        return compiled(*args)
+        if express is not None and express.fits(args):
+            stats.express_calls += 1
+            return express(args)
+        out = compiled(*args)
+        if express is not None:
+            express.learn(args, out)
+        return out
 
     run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
+    run.express = express
     return run

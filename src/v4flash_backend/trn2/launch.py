@@ -89,6 +89,9 @@ class NeuronSettings:
     cache_dir: str = _DEFAULTS.neuron_cache_dir
     dist_backend: str = "neuron"  # torch.distributed backend of a Neuron launch (Settings.dist_backend empty)
     pin_core: bool = _DEFAULTS.neuron_pin_cores  # NEURON_RT_VISIBLE_CORES = the local rank
+    # dynamo's guards on every graph call (True), or once, then the compiled graph directly while the
+    # arguments and global state match (trn2.express: what the graphs capture is resident)
+    guard_every_call: bool = False
 
     def __post_init__(self):
         if self.compiler_args is None:
