@@ -83,6 +83,23 @@ def test_linear_fp8(grid, lead, k, n):
     assert_gemm(*both("linear_fp8", x, w, s))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_linear_on_routed_experts_of_a_stack(grid, fmt):
+    """`experts` (the MoE's routed form): entry i of x meets stack entry experts[i]; both backends
+    against the same call on the explicitly gathered stack (nki: bit for bit, it gathers the same
+    bytes; torch: its gather from the dequantized copy, exact) and against each other (GEMM tolerance)."""
+    quantize = quant.quantize_fp8_weight if fmt == "fp8" else quant.quantize_fp4_weight
+    ws, ss = zip(*(quantize(_randn(96, 128, seed=20 + e)) for e in range(5)))
+    w, s = torch.stack(ws), torch.stack(ss)
+    experts = torch.tensor([3, 0, 3, 4])
+    x = _randn(4, 2, 128, seed=30, scale=2.0, dtype=BF16)
+    name = f"linear_{fmt}"
+    for backend in (nki_ops, torch_ops):
+        got = getattr(backend, name)(x, w, s, experts)
+        assert_exact(got, getattr(backend, name)(x, w[experts], s[experts]))
+    assert_gemm(*(getattr(b, name)(x, w, s, experts) for b in (nki_ops, torch_ops)))
+
+
 @pytest.mark.parametrize("lead,k,n", [((1,), 64, 64), ((133,), 256, 100), ((1, 7), 512, 520)])
 def test_linear_fp4(grid, lead, k, n):
     x = _randn(*lead, k, seed=3, scale=3.0, dtype=BF16)

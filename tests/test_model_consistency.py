@@ -94,3 +94,32 @@ def test_batched_experts_equal_the_routed_loop(tiny_model, monkeypatch):
     for form in ("dense", "grouped"):
         assert torch.equal(outs[form][0], outs["loop"][0]), form
         assert torch.equal(outs[form][1], outs["loop"][1]), form
+
+
+def test_routed_experts_form_equals_the_routed_loop(tiny_model, monkeypatch):
+    """moe form 'all' with fewer (row, expert) pairs than local experts runs only the routed experts
+    on their gathered weights (ffn._routed_experts): bit-identical to the per-expert loop, for 1 and 2
+    rows, with every expert local and with half of them on another rank (picks of those weigh 0)."""
+    from v4flash_backend.model import ffn as model_ffn
+    from v4flash_backend.model.weights import Weights
+
+    cfg, comm = tiny_model.cfg, tiny_model.comm
+    n_act, E = cfg.n_activated_experts, cfg.n_routed_experts
+    g = torch.Generator().manual_seed(3)
+    half = Weights({k: v for k, v in tiny_model.W.items()
+                    if ".ffn.experts." not in k or int(k.split(".ffn.experts.")[1].split(".")[0]) < E // 2})
+    calls = []
+    real = model_ffn._routed_experts
+    monkeypatch.setattr(model_ffn, "_routed_experts", lambda *a: calls.append(1) or real(*a))
+    for W in (tiny_model.W, half):
+        for T in (1, 2):
+            assert T * n_act < len(model_ffn.local_experts(W, "layers.1.ffn")) or W is half
+            x = (torch.randn(T, cfg.dim, generator=g) * 3).to(torch.bfloat16)
+            monkeypatch.setattr(model_ffn, "BATCHED_MOE_MAX", 0)  # form None: the loop over routed experts
+            want = model_ffn.moe(W, cfg, "layers.1", n_act, x, comm)
+            monkeypatch.setattr(model_ffn, "BATCHED_MOE_MAX", 1024)
+            n = len(calls)
+            got = model_ffn.moe(W, cfg, "layers.1", n_act, x, comm, form="all")
+            assert len(calls) == n + (T * n_act < len(model_ffn.local_experts(W, "layers.1.ffn")))
+            assert torch.equal(got, want), (T, W is half)
+    assert len(calls) >= 3

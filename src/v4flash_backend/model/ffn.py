@@ -62,12 +62,13 @@ DENSE_MOE_MIN = 64
 BATCHED_MOE_MAX = 1024
 
 
-def _experts_ffn(xg, rw, stacks, limit):
-    """The stacked experts on xg [E, M, D] with routing weights rw [E, M, 1] -> [E, M, D] bf16."""
+def _experts_ffn(xg, rw, stacks, limit, experts=None):
+    """The stacked experts on xg [E, M, D] with routing weights rw [E, M, 1] -> [E, M, D] bf16;
+    experts [E]: entry i of xg meets stack entry experts[i] (the routed form)."""
     w1, s1, w3, s3, w2, s2 = stacks
 
     def lin(v, w, s):
-        return ops.linear_fp4(v, w, s) if w.dtype == torch.int8 else ops.linear_fp8(v, w, s)
+        return ops.linear_fp4(v, w, s, experts) if w.dtype == torch.int8 else ops.linear_fp8(v, w, s, experts)
 
     return lin(ops.swiglu(lin(xg, w1, s1), lin(xg, w3, s3), rw, limit), w2, s2)
 
@@ -78,6 +79,25 @@ def _dense_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor
     route_w.scatter_(1, torch.where(local >= 0, local, n_exp), weights)  # column n_exp: other ranks' experts
     xe = x.unsqueeze(0).expand(n_exp, -1, -1)
     return _experts_ffn(xe, route_w[:, :n_exp].T.unsqueeze(-1), stacks, limit)
+
+
+def _routed_experts(x, local, weights, stacks, limit) -> torch.Tensor:
+    """Each row's routed experts only, for rows x top-k below the local experts (a decode row: 2 of
+    the embedded model's 8, 6 of V4.1-Flash's 384): the T x k (row, expert) pairs in one batched
+    call on the experts' gathered weights, a static shape with no host read. Returns the carry
+    [T, D] f32: each row's outputs added in expert-id order -- the dense form's sum bit for bit, whose
+    other experts add exact zeros. A pick of another rank's expert (local -1) runs expert 0 at weight
+    0: an exact zero too."""
+    T, A = local.shape
+    valid = local >= 0
+    e, order = local.clamp_min(0).sort(dim=1)  # expert-id order within each row
+    w = torch.where(valid, weights, 0.0).gather(1, order)
+    xg = x.repeat_interleave(A, dim=0).unsqueeze(1)  # [T * A, 1, D]: row t's pairs are t*A .. t*A + A-1
+    out = _experts_ffn(xg, w.reshape(T * A, 1, 1), stacks, limit, experts=e.reshape(-1)).view(T, A, -1)
+    y = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+    for a in range(A):
+        y += out[:, a]
+    return y
 
 
 def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
@@ -132,8 +152,10 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     form: None picks by numerics and size (the batched forms, else a loop over the routed experts:
     host reads of the routing); 'all' runs every local expert on every row, weighted by a dense
     [rows, experts] routing matrix that is 0 where a row is not routed -- no host read, one static
-    shape (the static decode step's form). A zero weight makes swiglu's output, hence the expert's,
-    +-0 (activations are clamped, so never 0 * inf), which leaves the fp32 carry unchanged."""
+    shape (the static decode step's form); with the batched stacks and fewer (row, expert) pairs
+    than local experts (a decode row), only the routed experts, on their gathered weights
+    (`_routed_experts`). A zero weight makes swiglu's output, hence the expert's, +-0 (activations
+    are clamped, so never 0 * inf), which leaves the fp32 carry unchanged."""
     p = layer_prefix + ".ffn"
     weights, ids = route(W, cfg, p, x, n_act)
     if capture is not None:
@@ -153,17 +175,21 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         for e in experts:
             y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
     elif batched and (form == "all" or x.shape[0] * len(experts) <= BATCHED_MOE_MAX):
-        # form 'all' (a static graph): the dense form at any size, three batched GEMMs and no host read
+        # form 'all' (a static graph): the routed or the dense form at any size, three batched GEMMs
+        # and no host read
         stacks = stacked_experts(W, p)
         col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
                           cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long, device=x.device)
         col[torch.tensor(experts, device=x.device)] = torch.arange(len(experts), device=x.device)
         local = col[ids]
-        dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
-        out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
-                                                                    cfg.swiglu_limit)
-        for e in range(len(experts)):
-            y += out[e]
+        if form == "all" and x.shape[0] * n_act < len(experts):  # fewer (row, expert) pairs than experts
+            y += _routed_experts(x, local, weights, stacks, cfg.swiglu_limit)
+        else:
+            dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
+            out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
+                                                                        cfg.swiglu_limit)
+            for e in range(len(experts)):
+                y += out[e]
     else:
         present = set(torch.unique(ids).tolist())
         for e in experts:

@@ -79,14 +79,16 @@ def backend_module():
 # shapes are in torch_ops, the reference implementation)
 
 
-def linear_fp8(x, weight, scale):
-    """x [..., K] bf16 @ fp8 e4m3fn weight [N, K] with 32x32 e8m0 scales (or stacks [E, N, K] / [E, T, K])."""
-    return backend_module().linear_fp8(x, weight, scale)
+def linear_fp8(x, weight, scale, experts=None):
+    """x [..., K] bf16 @ fp8 e4m3fn weight [N, K] with 32x32 e8m0 scales (or stacks [E, N, K] / [E, T, K]);
+    experts [E'] int64: x [E', T, K] meets the stack's entries `experts` (the routed experts only)."""
+    return backend_module().linear_fp8(x, weight, scale, experts)
 
 
-def linear_fp4(x, weight, scale):
-    """x [..., K] bf16 @ MXFP4 weight [N, K/2] with e8m0 scales per 32 along K (or stacks)."""
-    return backend_module().linear_fp4(x, weight, scale)
+def linear_fp4(x, weight, scale, experts=None):
+    """x [..., K] bf16 @ MXFP4 weight [N, K/2] with e8m0 scales per 32 along K (or stacks, `experts` as
+    linear_fp8's)."""
+    return backend_module().linear_fp4(x, weight, scale, experts)
 
 
 def linear_bf16(x, weight):

@@ -46,12 +46,25 @@ def _bytes(t):
     return t.contiguous().view(torch.uint8)
 
 
-def linear_fp8(x, weight, scale):
+def _stacked(fn, x, weight, scale):
+    """A stack of experts [E, N, ..] on x [E, T, K]: one kernel call per expert."""
+    return torch.stack([fn(x[e], weight[e], scale[e]) for e in range(weight.shape[0])])
+
+
+def linear_fp8(x, weight, scale, experts=None):
+    if experts is not None:  # the routed experts' entries of a stack: their weights only
+        return _stacked(linear_fp8, x, weight[experts], scale[experts])
+    if weight.dim() == 3:
+        return _stacked(linear_fp8, x, weight, scale)
     y = _op("linear_fp8")(_rows(x), _bytes(weight), _bytes(scale))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear_fp4(x, weight, scale):
+def linear_fp4(x, weight, scale, experts=None):
+    if experts is not None:
+        return _stacked(linear_fp4, x, weight[experts], scale[experts])
+    if weight.dim() == 3:
+        return _stacked(linear_fp4, x, weight, scale)
     y = _op("linear_fp4")(_rows(x), weight, _bytes(scale))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 

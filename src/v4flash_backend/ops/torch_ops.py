@@ -76,16 +76,20 @@ def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().transpose(-1, -2)
 
 
-def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ fp8 weight [N, K] (or a stack [E, N, K] with x [E, T, K])."""
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               experts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ fp8 weight [N, K] (or a stack [E, N, K] with x [E, T, K]; with `experts` [E']
+    x [E', T, K] meets those entries of the stack, gathered from its dequantized copy)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp8_weight, weight, scale))
-    return _bmm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+    return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
 
 
-def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 @ MXFP4 weight [N, K/2] (or a stack [E, N, K/2] with x [E, T, K])."""
+def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               experts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ MXFP4 weight [N, K/2] (or a stack [E, N, K/2] with x [E, T, K]; `experts` as
+    linear_fp8's)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp4_weight, weight, scale))
-    return _bmm(quant.fp8_act_dequant_f32(x), wf).to(torch.bfloat16)
+    return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ same index tensors the eager forward builds per segment:
   step does not complete) leave the state as the eager forward leaves it, bit for bit;
 - top-k runs with a fixed k = min(index_topk, ctx // ratio), the picks beyond a row's reach masked
   to -1, the attention slots in the eager order with the extra -1 slots at the end;
-- the MoE runs form 'all' of `ffn.moe` (every local expert on every row, weight 0 where not routed);
+- the MoE runs form 'all' of `ffn.moe` (every local expert on every row, weight 0 where not routed;
+  below one (row, expert) pair per local expert, only the routed experts' gathered weights);
 - RoPE tables are `TableRope`s covering every position a bucket can address.
 
 What stays here is what is static-specific: buckets, padding plans, plan checks and the entry
