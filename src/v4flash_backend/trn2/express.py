@@ -1,22 +1,22 @@
 """Calling a compiled static graph without dynamo's guards, once it has run through them.
 
-A static graph of this package reads ~700 tensors besides its arguments (weights, their dequantized
-caches, the state, the draft blocks, RoPE tables), all resident: allocated before the graphs are
-traced and only ever written in place (`static_runner.place_resident` runs before any warm-up). On
-every call dynamo still evaluates ~5,000 guards over them (tensor metadata, the weight dict's keys,
-duplicate inputs, module constants) and gathers them again: ~1.2 ms of guard evaluation plus
-~0.25 ms of input gathering per call of a batch-1 round on the embedded model, about a fifth of the
-round (one-off profile; perf/bench_decode.py has the tokens/s).
+A static graph of this package reads hundreds of tensors besides its arguments (~260 in a batch-1
+plain round of the embedded model: weights, their dequantized caches, the state, the draft blocks,
+RoPE tables), all resident: allocated before the graphs are traced and only ever written in place
+(`static_runner.place_resident` runs before any warm-up). On every call dynamo still evaluates
+~5,000 guards over them (tensor metadata, the weight dict's keys, duplicate inputs, module
+constants) and gathers them again: ~1.2 ms of guard evaluation plus ~0.25 ms of input gathering per
+call of that round, about a fifth of it (one-off profile; perf/bench_decode.py has the tokens/s).
 
 `Express` records, while dynamo compiles a graph, which graph input is which argument of the traced
-function and holds the others (the captured tensors) itself; at the first call it learns where each
-leaf of the result comes from. Later calls build the flat input list and call the compiled artifact
-directly, when
+function and holds the others (the captured tensors) itself; after a call through dynamo that ran
+the graph it learns where each leaf of the result comes from. Later calls build the flat input list
+and call the compiled artifact directly, when
 
-- the call's arguments match the first call's: tensors in shape, stride, dtype and device, other
-  values equal, the same arguments aliased (`_arg_key`);
+- the call's arguments match the learned call's: tensors in shape, stride, dtype, device and
+  requires_grad, other values equal, the same arguments aliased (`_arg_key`);
 - the global state dynamo guards that a server could change is the same (grad and inference mode,
-  default dtype, the ops seam's numerics and backend: `_global_state`);
+  default dtype, deterministic algorithms, the ops seam's numerics and backend: `_global_state`);
 
 and go through dynamo otherwise (which re-guards, and recompiles where it must). A graph whose trace
 left Python side effects for dynamo to replay, reads a non-tensor input, an argument's attribute, or
@@ -45,8 +45,9 @@ def _arg_key(args: tuple) -> tuple:
     """What a call's arguments must match: per argument its tensor metadata (or value), and which
     earlier argument it is the same object as (dynamo folds one tensor passed twice into one input)."""
     ids = [id(a) for a in args]
-    return tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
-                 for a in args), tuple(ids.index(i) for i in ids)
+    meta = tuple((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args)
+    return meta, tuple(ids.index(i) for i in ids)
 
 
 def _root(src):
