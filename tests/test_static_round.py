@@ -74,11 +74,11 @@ def test_noise_is_uniform_and_keyed():
     assert not torch.equal(u, v)  # another round, other draws
 
 
-def _run(runner, T, mode, max_tokens=12, seed=7):
+def _run(runner, T, mode, max_tokens=12, seed=7, **sampling):
     eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode=mode))
     eng.cost = StepCost(SPS)
     ev = eng.run_request(GenerateRequest(prompt=list(PROMPT), max_tokens=max_tokens, temperature=T, seed=seed,
-                                         ignore_eos=True))
+                                         ignore_eos=True, **sampling))
     return [t for e in ev for t in e.token_ids], eng.stats()
 
 
@@ -94,6 +94,23 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         # engine's sampling and acceptance (the forward itself reads little since issue 30)
         assert est["host_syncs_per_step"] > 2
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
+
+
+@pytest.mark.parametrize("sampling", [dict(top_k=3), dict(top_p=0.3)])
+def test_filtering_requests_take_the_processed_round(tiny_model, sampling):
+    """The plain round variant leaves the top-k / top-p filters out (static_round.stages_of): a
+    request that filters runs the processed variant, with the eager engine's tokens. Sending it to
+    the plain variant instead fails here (the filters change these draws: the unfiltered tokens differ)."""
+    want, _ = _run(LocalRunner(tiny_model, 3, 64), 0.8, "dspark", **sampling)
+    unfiltered, _ = _run(LocalRunner(tiny_model, 3, 64), 0.8, "dspark")
+    assert want != unfiltered
+    sr = StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"))
+    variants = []
+    real = sr.graphs.round
+    sr.graphs.round = lambda b, mode, fl, x: (variants.append("n_out" in x), real(b, mode, fl, x))[1]
+    got, st = _run(sr, 0.8, "dspark", **sampling)
+    assert got == want and st["static_steps"] >= 2
+    assert variants and all(variants)
 
 
 def _resident(runner) -> list[torch.Tensor]:

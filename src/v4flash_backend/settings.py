@@ -126,8 +126,8 @@ class Settings:
         "host_syncs_per_step; a hook on every torch call, 30-40 % of a CPU forward; `generate "
         "--step-report` turns it on); the static path counts its own either way", scope="group")
     warm_processed: bool = setting(
-        True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs) at "
-        "start; false: at its first use", scope="group")
+        True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs, top-k / "
+        "top-p) at start; false: at its first use", scope="group")
     # ---- group, Neuron launch (ops_backend nki): every rank's environment (trn2/launch.py) -------
     neuron_lnc: int = setting(
         2, "logical NeuronCore degree: every rank's NEURON_LOGICAL_NC_CONFIG, neuronx-cc's --lnc and the NKI "

@@ -323,21 +323,23 @@ def commit_stats(results: Sequence[VerifyResult]) -> dict:
 
 def markov_draft_static(U: torch.Tensor, anchor: torch.Tensor, bias_fn: Callable[[torch.Tensor], torch.Tensor],
                         temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        u: torch.Tensor, logit_fn=None) -> DraftBlock:
+                        u: torch.Tensor, logit_fn=None, stages: Optional[dict] = None) -> DraftBlock:
     """`_draft` with uniforms u [S, G] (column k: the draw of x_{k+1}). Every row takes the
     sampling path (greedy rows are one-hot under process_logits, so they draw their argmax).
-    logit_fn(k, z_k, drafted [S, k]): as in markov_draft (a static form: no host reads)."""
+    logit_fn(k, z_k, drafted [S, k]): as in markov_draft (a static form: no host reads). stages: as in
+    `_draft` (a graph variant whose rows never filter leaves the filters out)."""
     return _draft(U, anchor.long(), bias_fn, temperature, top_k, top_p,
-                  lambda k, q: categorical_from_uniform(q, u[:, k]), logit_fn)
+                  lambda k, q: categorical_from_uniform(q, u[:, k]), logit_fn, stages=stages)
 
 
 def verify_static(target_logits: torch.Tensor, drafts: torch.Tensor, q_token: torch.Tensor, z: torch.Tensor,
                   ell: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   u_accept: torch.Tensor, u_final: torch.Tensor, stop_ids: torch.Tensor,
-                  max_tokens: torch.Tensor, residual_eps: float = RESIDUAL_EPS) -> VerifyResult:
+                  max_tokens: torch.Tensor, residual_eps: float = RESIDUAL_EPS,
+                  stages: Optional[dict] = None) -> VerifyResult:
     """`_verify` over a bucket: target_logits [S, G+1, V], u_accept [S, G] (the bernoulli draws,
     compared in the noise's dtype as CounterSampler.bernoulli does), u_final [S] (the final /
-    residual / bonus draw), stop_ids [S, W] (-1 padded), max_tokens [S]."""
+    residual / bonus draw), stop_ids [S, W] (-1 padded), max_tokens [S]. stages: as in `_draft`."""
     return _verify(target_logits, drafts, q_token, z, ell.long(), temperature, top_k, top_p,
                    lambda p: bernoulli_from_uniform(p, u_accept), lambda d: categorical_from_uniform(d, u_final),
-                   stop_ids, max_tokens, residual_eps)
+                   stop_ids, max_tokens, residual_eps, stages)

@@ -4,12 +4,27 @@ A mixin of `Engine`."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan, RoundResult
 
 from .dspark_sched import sps_tensors
+from .precision import loop_dtype
+from .sampling import GREEDY_TEMPERATURE
 from .seq import KIND_OF, ON_DEVICE, Seq
+
+
+def filters(seqs: list[Seq], vocab: int) -> bool:
+    """Whether any request of the round filters its sampling: top-k below the vocabulary or top-p
+    below 1, not greedy (`SamplingParams.stages`'s rule, on the values rounded to the plan's dtype
+    as the graph compares them; plain Python, no tensor op outside the round). Such a round runs the
+    processed variant of the round graphs, the only one whose sampling has the filters
+    (`static_round.stages_of`)."""
+    cast = float if loop_dtype() == torch.float64 else (lambda v: float(np.float32(v)))
+    cut = cast(GREEDY_TEMPERATURE)
+    return any(cast(s.req.temperature) >= cut and (0 < s.req.top_k < vocab or cast(s.req.top_p) < 1)
+               for s in seqs)
 
 
 class StaticRoundStep:
@@ -21,7 +36,8 @@ class StaticRoundStep:
             return False
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False
-        # min_tokens, penalties and log-probs run in the rounds' processed variant (static_round)
+        # min_tokens, penalties, log-probs and top-k / top-p filters run in the rounds' processed variant
+        # (static_round; the plain one samples without the filters)
         return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running))
 
     def _step_static(self) -> None:
@@ -38,7 +54,8 @@ class StaticRoundStep:
         self._kind = KIND_OF[decision]
         self._explore = self._guard_explores(decision)
         dspark = self.spec and self.settings.spec_mode == "dspark"
-        processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs)
+        processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs) or \
+            filters(seqs, self.mcfg.vocab_size)
         self._sync_round_state(seqs, processed)
         in_sync = [s.counted == s.n_out for s in seqs]
         plan = self._round_plan(seqs, decision, dspark, processed)
