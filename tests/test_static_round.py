@@ -97,10 +97,11 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
 
 
 @pytest.mark.parametrize("sampling", [dict(top_k=3), dict(top_p=0.3)])
-def test_filtering_requests_take_the_processed_round(tiny_model, sampling):
+def test_filtering_requests_take_the_processed_round(tiny_model, sampling, monkeypatch):
     """The plain round variant leaves the top-k / top-p filters out (static_round.stages_of): a
     request that filters runs the processed variant, with the eager engine's tokens. Sending it to
-    the plain variant instead fails here (the filters change these draws: the unfiltered tokens differ)."""
+    the plain variant instead fails here (the filters change these draws: the unfiltered tokens differ),
+    and StaticRunner refuses such a plain plan."""
     want, _ = _run(LocalRunner(tiny_model, 3, 64), 0.8, "dspark", **sampling)
     unfiltered, _ = _run(LocalRunner(tiny_model, 3, 64), 0.8, "dspark")
     assert want != unfiltered
@@ -111,6 +112,12 @@ def test_filtering_requests_take_the_processed_round(tiny_model, sampling):
     got, st = _run(sr, 0.8, "dspark", **sampling)
     assert got == want and st["static_steps"] >= 2
     assert variants and all(variants)
+    # a plain plan whose sampling filters is refused, not served without the filters
+    from v4flash_backend.engine import round_step
+
+    monkeypatch.setattr(round_step, "filters", lambda seqs, vocab: False)
+    with pytest.raises(ValueError, match="processed round variant"):
+        _run(StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none")), 0.8, "dspark", **sampling)
 
 
 def _resident(runner) -> list[torch.Tensor]:

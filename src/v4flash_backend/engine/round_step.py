@@ -4,27 +4,19 @@ A mixin of `Engine`."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan, RoundResult
+from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan, RoundResult, filters_sampling
 
 from .dspark_sched import sps_tensors
-from .precision import loop_dtype
-from .sampling import GREEDY_TEMPERATURE
 from .seq import KIND_OF, ON_DEVICE, Seq
 
 
 def filters(seqs: list[Seq], vocab: int) -> bool:
-    """Whether any request of the round filters its sampling: top-k below the vocabulary or top-p
-    below 1, not greedy (`SamplingParams.stages`'s rule, on the values rounded to the plan's dtype
-    as the graph compares them; plain Python, no tensor op outside the round). Such a round runs the
-    processed variant of the round graphs, the only one whose sampling has the filters
-    (`static_round.stages_of`)."""
-    cast = float if loop_dtype() == torch.float64 else (lambda v: float(np.float32(v)))
-    cut = cast(GREEDY_TEMPERATURE)
-    return any(cast(s.req.temperature) >= cut and (0 < s.req.top_k < vocab or cast(s.req.top_p) < 1)
-               for s in seqs)
+    """Whether any request of the round filters its sampling: such a round runs the processed
+    variant of the round graphs, the only one whose sampling has the filters."""
+    return filters_sampling([s.req.temperature for s in seqs], [s.req.top_k for s in seqs],
+                            [s.req.top_p for s in seqs], vocab)
 
 
 class StaticRoundStep:

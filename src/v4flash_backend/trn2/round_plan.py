@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from v4flash_backend.engine.precision import loop_dtype, pack_bits, unpack_bits
-from v4flash_backend.engine.sampling import LOGPROB_WIDTH
+from v4flash_backend.engine.sampling import GREEDY_TEMPERATURE, LOGPROB_WIDTH
 
 STOP_WIDTH = 8  # stop ids per request a static decode round takes (more: the eager path)
 SPS_WIDTH = 16  # SPS table entries a round takes (padded with its last entry: same lookups)
@@ -170,6 +171,16 @@ class RoundPlan:
     def diff(self, other: "RoundPlan") -> list[str]:
         """The names of the fields (the SPS table aside: a tensor) where two plans differ."""
         return [f.name for f in fields(self) if f.name != "sps" and getattr(self, f.name) != getattr(other, f.name)]
+
+
+def filters_sampling(temperature, top_k, top_p, vocab: int) -> bool:
+    """Whether any row's sampling filters (top-k below the vocabulary or top-p below 1, not greedy):
+    `SamplingParams.stages`'s rule on the values rounded to the plan's dtype, as the graphs compare
+    them, in plain Python (no tensor op outside a round). Only the processed round variant has the
+    filters (`static_round.stages_of`), so such a round must be processed."""
+    cast = float if loop_dtype() == torch.float64 else (lambda v: float(np.float32(v)))
+    cut = cast(GREEDY_TEMPERATURE)
+    return any(cast(t) >= cut and (0 < k < vocab or cast(p) < 1) for t, k, p in zip(temperature, top_k, top_p))
 
 
 def adaptive_inputs(S: int, G: int, plan: RoundPlan | None = None) -> dict:

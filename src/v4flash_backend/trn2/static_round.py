@@ -75,9 +75,10 @@ ROUND_INPUTS = ("slot", "start", "n", "pending", "top_k", "seed", "rnd", "budget
 def stages_of(proc: dict | None) -> dict | None:
     """The sampling stages a round variant runs (`process_logits_static`): the processed variant
     every stage; the plain one no top-k / top-p filter -- the engine sends a round in which any row
-    filters to the processed variant (`round_step.filters`), so on the plain one's rows the filters
-    are the identity, and leaving them out saves their sort over the vocabulary per verify and
-    draft position (~0.25 ms a 4096-wide row here)."""
+    filters to the processed variant (`round_plan.filters_sampling`; StaticRunner refuses a plain
+    plan that filters), so on the plain one's rows the filters are the identity, and leaving them
+    out saves their sort over the vocabulary per verify and draft position (~0.25 ms a 4096-wide
+    row here)."""
     return None if proc is not None else {"filters": False}
 
 

@@ -17,7 +17,7 @@ from v4flash_backend.model.transformer import StepOutput
 
 from .graphs import StaticGraphs, _Progress, decode_buckets, prefill_buckets, to_device
 from .launch import NeuronSettings
-from .round_plan import RoundPlan
+from .round_plan import RoundPlan, filters_sampling
 from .static_step import BoundarySpy, Bucket, HostSyncCounter, StaticDecoder, pick_bucket
 
 
@@ -235,6 +235,9 @@ class StaticRunner(LocalRunner):
         """(bucket, inputs) of a round plan, padded to the bucket with padding sequences."""
         b = pick_bucket(self.buckets, plan.size, 1 + self.G, max(a + 1 + e for a, e in zip(plan.start, plan.ell)))
         self.decoder.check_plan(b, plan.slot, plan.start, [1 + e for e in plan.ell])
+        if not plan.processed and filters_sampling(plan.temperature, plan.top_k, plan.top_p, self.cfg.vocab_size):
+            raise ValueError("a round whose sampling filters (top-k / top-p) needs the processed round variant: "
+                             "the plain one samples without the filters")
         x = plan.inputs(b.seqs, self.G, self.decoder.scratch)
         # the plan moves in once, here (the round's only host-to-device copy)
         return b, to_device(x, self.decoder.device)
