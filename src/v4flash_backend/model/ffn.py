@@ -84,20 +84,17 @@ def _dense_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor
 def _routed_experts(x, local, weights, stacks, limit) -> torch.Tensor:
     """Each row's routed experts only, for rows x top-k below the local experts (a decode row: 2 of
     the embedded model's 8, 6 of V4.1-Flash's 384): the T x k (row, expert) pairs in one batched
-    call on the experts' gathered weights, a static shape with no host read. Returns the carry
-    [T, D] f32: each row's outputs added in expert-id order -- the dense form's sum bit for bit, whose
-    other experts add exact zeros. A pick of another rank's expert (local -1) runs expert 0 at weight
-    0: an exact zero too."""
+    call on the experts' gathered weights, a static shape with no host read. Returns [k, T, D] bf16:
+    entry a holds each row's a-th routed expert in expert-id order, so adding the entries in turn
+    is the dense form's carry bit for bit (its other experts add exact zeros). A pick of another
+    rank's expert (local -1) runs expert 0 at weight 0: an exact zero too."""
     T, A = local.shape
     valid = local >= 0
     e, order = local.clamp_min(0).sort(dim=1)  # expert-id order within each row
     w = torch.where(valid, weights, 0.0).gather(1, order)
     xg = x.repeat_interleave(A, dim=0).unsqueeze(1)  # [T * A, 1, D]: row t's pairs are t*A .. t*A + A-1
-    out = _experts_ffn(xg, w.reshape(T * A, 1, 1), stacks, limit, experts=e.reshape(-1)).view(T, A, -1)
-    y = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-    for a in range(A):
-        y += out[:, a]
-    return y
+    out = _experts_ffn(xg, w.reshape(T * A, 1, 1), stacks, limit, experts=e.reshape(-1))
+    return out.view(T, A, -1).transpose(0, 1)
 
 
 def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
@@ -183,13 +180,13 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         col[torch.tensor(experts, device=x.device)] = torch.arange(len(experts), device=x.device)
         local = col[ids]
         if form == "all" and x.shape[0] * n_act < len(experts):  # fewer (row, expert) pairs than experts
-            y += _routed_experts(x, local, weights, stacks, cfg.swiglu_limit)
+            out = _routed_experts(x, local, weights, stacks, cfg.swiglu_limit)
         else:
             dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
             out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
                                                                         cfg.swiglu_limit)
-            for e in range(len(experts)):
-                y += out[e]
+        for e in range(out.shape[0]):  # the carry in expert-id order, each output rounded to bf16 already
+            y += out[e]
     else:
         present = set(torch.unique(ids).tolist())
         for e in experts:

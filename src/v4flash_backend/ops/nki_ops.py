@@ -53,7 +53,7 @@ def _stacked(fn, x, weight, scale):
 
 def linear_fp8(x, weight, scale, experts=None):
     if experts is not None:  # the routed experts' entries of a stack: their weights only
-        return _stacked(linear_fp8, x, weight[experts], scale[experts])
+        weight, scale = weight[experts], scale[experts]
     if weight.dim() == 3:
         return _stacked(linear_fp8, x, weight, scale)
     y = _op("linear_fp8")(_rows(x), _bytes(weight), _bytes(scale))
@@ -62,7 +62,7 @@ def linear_fp8(x, weight, scale, experts=None):
 
 def linear_fp4(x, weight, scale, experts=None):
     if experts is not None:
-        return _stacked(linear_fp4, x, weight[experts], scale[experts])
+        weight, scale = weight[experts], scale[experts]
     if weight.dim() == 3:
         return _stacked(linear_fp4, x, weight, scale)
     y = _op("linear_fp4")(_rows(x), weight, _bytes(scale))

@@ -78,8 +78,8 @@ _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 class Express:
     """The express call of one compiled graph (see the module docstring). `plan(gm, example_inputs,
-    compiled)` inside the compile backend; `learn(args, result)` after the first dynamo call;
-    `fits(args)` and `__call__(args)` afterwards."""
+    compiled)` inside the compile backend; `learn(args, result)` after each call through dynamo;
+    `fits(args)` and `__call__(args)` before the next one."""
 
     def __init__(self, fn):
         sig = inspect.signature(fn)
