@@ -7,7 +7,8 @@
 
 at concurrency 1 and 8 (a closed loop: c requests in flight, the next submitted when one ends),
 interleaved (every round runs every mode and concurrency once, in a rotated order) and repeated.
-All with the default serving settings (settings.Settings(): max_num_seqs 8, DSpark on) and the
+All with the default serving settings (settings.Settings(): max_num_seqs 8, DSpark on) on the eager
+decode path ($V4FLASH_CPU_DECODE_GRAPH=eager: no background compile beside the measurement) and the
 checkpoint `make serve` serves. Starts `scripts/serve.sh` (what `make serve` runs) on free loopback
 ports and stops it afterwards, or uses a running server (--grpc-port).
 
@@ -219,6 +220,9 @@ def main(argv=None) -> int:
     from v4flash_backend.serving.triton_settings import repository_checkpoint_dir
 
     ckpt, why = repository_checkpoint_dir(ROOT / "model_repository")
+    # the eager decode path in every mode (the server inherits the variable): the CPU default compiles
+    # its graphs in the background for minutes, which would run beside the measurement
+    os.environ["V4FLASH_CPU_DECODE_GRAPH"] = "eager"
     settings = Settings().replace(checkpoint_dir=str(ckpt))
     prompts, texts = load_prompts(Path(ckpt), a.prompts)
     print(f"checkpoint {ckpt} ({why}); {len(prompts)} prompts of {min(map(len, prompts))}-"

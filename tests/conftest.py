@@ -14,6 +14,11 @@ torch.set_num_threads(int(os.environ.get("V4FLASH_TEST_THREADS", "1")))
 # the test that hit it (tests/test_serve_supervision.py turns restarts on for itself).
 os.environ.setdefault("SERVE_MAX_RESTARTS", "0")
 
+# The CPU default decode path compiles its graphs with inductor in the background (minutes of both
+# cores per bucket on CI's machine): the servers and engines of the tests keep the eager default
+# unless they name decode_graph (tests/test_background_compile.py tests the default itself).
+os.environ.setdefault("V4FLASH_CPU_DECODE_GRAPH", "eager")
+
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:

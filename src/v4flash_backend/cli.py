@@ -156,7 +156,10 @@ def generate_settings(args, prompt: list[int]):
     so seeded sampled runs agree across W and decode_graph: admission depends on the table)."""
     from v4flash_backend.settings import Settings
 
-    extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None)),
+    # on the CPU ops, decode_graph eager unless named: a one-shot run would end before a background
+    # compile of the CPU default's graphs (minutes) served a step, and the compile would compete with it
+    cpu = (args.ops_backend or "torch") == "torch"
+    extra = {k: v for k, v in (("decode_graph", getattr(args, "decode_graph", None) or ("eager" if cpu else None)),
                                ("graph_backend", getattr(args, "graph_backend", None)),
                                ("spec_mode", getattr(args, "spec_mode", None)),
                                ("pipeline_parallel", getattr(args, "pipeline_parallel", None)),

@@ -17,13 +17,17 @@ one place those variables are read (by `group.rank_entry`, before a rank imports
 gives one field the same reading for a process started without `Settings` (golden-check, the checks
 under torchrun, the test ranks: $V4FLASH_PIPELINE, $V4FLASH_THREADS, $V4FLASH_DIST_BACKEND).
 
-Three variables are read elsewhere, as process defaults below the settings:
+Four variables are read elsewhere, as process defaults below the settings:
 - V4FLASH_OPS and V4FLASH_NUMERICS (ops/__init__.py, at import): the op seam's backend and numerics
   for a process that never calls `ops.set_backend` / `ops.set_numerics`; a rank sets the backend
   from ops_backend, and the numerics from numerics when it is non-empty (trn2.launch also sets both
   variables in a Neuron rank's environment);
 - V4FLASH_ATTN_GROUP (parallel/collectives.py `init_distributed`): the attention group size, over
-  the checkpoint's bound; a test knob (several groups at W = 4), not a setting.
+  the checkpoint's bound; a test knob (several groups at W = 4), not a setting;
+- V4FLASH_CPU_DECODE_GRAPH (`Settings.decode_graph_mode`): what an empty decode_graph means on a
+  one-rank CPU server (static, the default: the compiled round graphs; eager: the op-by-op forward).
+  Only the default moves, an explicit decode_graph wins: the test suite sets it to eager, so the
+  servers of the tests that do not test the compiled path do not compile for minutes on CI's cores.
 
 Adding a setting = adding one field below (see the README's contributor notes).
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
@@ -43,7 +48,11 @@ SPEC_MODES = ("dspark", "fixed", "off")
 NUMERICS = ("", "exact", "reference")
 DECODE_GRAPHS = ("", "eager", "static")
 GRAPH_BACKENDS = ("", "none", "eager", "aot_eager", "inductor", "neuron", "neuron_libtorch")
-CPU_DECODE_GRAPH = "eager"  # the CPU default of decode_graph (measured: see the README's static-path section)
+# the CPU default of decode_graph on one rank: the static round graphs compiled by inductor, compiled in
+# the background while eager steps serve (perf/bench_decode.py: 5-6x the eager path's decode tokens/s);
+# $V4FLASH_CPU_DECODE_GRAPH moves it (settings module docstring)
+CPU_DECODE_GRAPH = "static"
+GRAPH_WARMUPS = ("", "start", "background")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -112,10 +121,19 @@ class Settings:
     threads: int = setting(1, "torch threads per rank", scope="group", low=1, env="V4FLASH_THREADS")
     decode_graph: str = setting(
         "", "decode steps as the static round graphs per bucket (static) or the op-by-op forward (eager); "
-        "empty: static when ops_backend is nki, else " + CPU_DECODE_GRAPH, scope="group", choices=DECODE_GRAPHS)
+        "empty: static when ops_backend is nki; with ops_backend torch on one rank (world_size and "
+        "pipeline_parallel 1) static compiled by inductor ($V4FLASH_CPU_DECODE_GRAPH=eager: eager); else eager",
+        scope="group", choices=DECODE_GRAPHS)
     graph_backend: str = setting(
         "", "torch.compile backend of the static graphs (none: run them op by op); empty: neuron when "
-        "ops_backend is nki, else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
+        "ops_backend is nki, inductor when decode_graph is empty too and resolves to static on the CPU, "
+        "else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
+    graph_warmup: str = setting(
+        "", "when a static server compiles its graphs: start (every bucket before it reports ready) or "
+        "background (ready at once: eager steps serve while a thread compiles bucket by bucket, smallest "
+        "first, and each bucket's static rounds take over once its graphs are warm; one rank only); empty: "
+        "background on a one-rank CPU server whose graph_backend compiles, else start", scope="group",
+        choices=GRAPH_WARMUPS)
     resident_device: str = setting(
         "", "where a static server keeps its weights and caches (place_resident, once at load); empty: the "
         "rank's NeuronCore with ops_backend nki, else the CPU; 'cuda' runs the static rounds with the torch "
@@ -212,6 +230,10 @@ class Settings:
         if self.world_size % self.pipeline_parallel:
             raise ValueError(f"setting 'world_size' {self.world_size} must be a multiple of pipeline_parallel "
                              f"{self.pipeline_parallel}")
+        if self.graph_warmup == "background" and (self.world_size > 1 or self.pipeline_parallel > 1):
+            raise ValueError("setting 'graph_warmup' background compiles beside the serving steps of one rank: "
+                             "a rank group of several ranks runs every graph as a collective, so set "
+                             "graph_warmup start (or world_size 1)")
         if self.pipeline_parallel > 1 and self.decode_graph_mode == "static":
             raise ValueError("setting 'pipeline_parallel' > 1 runs the eager decode path: set decode_graph eager "
                              "(the static round graphs hold the whole model)")
@@ -239,7 +261,30 @@ class Settings:
         """decode_graph with its default resolved (static on Neuron devices)."""
         if self.decode_graph:
             return self.decode_graph
-        return "static" if self.ops_backend == "nki" else CPU_DECODE_GRAPH
+        if self.ops_backend == "nki":
+            return "static"
+        if self._cpu_default_graph:
+            return os.environ.get("V4FLASH_CPU_DECODE_GRAPH", "") or CPU_DECODE_GRAPH
+        return "eager"
+
+    @property
+    def _cpu_default_graph(self) -> bool:
+        """Does an empty decode_graph take the CPU default (the torch ops on one rank)? A CPU rank
+        group of several ranks is a development layout: compiling each rank's graphs at start costs
+        minutes there, so it keeps the eager path unless asked."""
+        return (not self.decode_graph and self.ops_backend == "torch" and self.world_size == 1
+                and self.pipeline_parallel == 1)
+
+    @property
+    def graph_warmup_mode(self) -> str:
+        """graph_warmup with its default resolved: background on a one-rank CPU server whose graphs
+        compile (ready at once), start elsewhere (a Neuron server: its graphs come from the persistent
+        cache, and a group's graphs run as collectives)."""
+        if self.graph_warmup:
+            return self.graph_warmup
+        background = (self.ops_backend == "torch" and self.world_size == 1 and self.pipeline_parallel == 1
+                      and self.decode_graph_mode == "static" and self.graph_backend_name != "none")
+        return "background" if background else "start"
 
     @property
     def sps_file(self) -> str:
@@ -262,7 +307,11 @@ class Settings:
     def graph_backend_name(self) -> str:
         if self.graph_backend:
             return self.graph_backend
-        return "neuron" if self.ops_backend == "nki" else "none"
+        if self.ops_backend == "nki":
+            return "neuron"
+        # the CPU default path (decode_graph empty, resolved to static) is the compiled one; a static
+        # path asked for by name keeps running its graphs op by op unless a backend is named
+        return "inductor" if self._cpu_default_graph and self.decode_graph_mode == "static" else "none"
 
     def replace(self, **changes) -> "Settings":
         return replace(self, **changes)

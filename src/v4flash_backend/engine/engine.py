@@ -16,6 +16,7 @@ error), also after errors and cancellations; no slot outlives its request.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -75,7 +76,11 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         # held for a whole step: stats() waits for the step in progress, so a client that reads the
         # stats after its final event sees that step's accounting (the event is sent mid-step)
         self.step_lock = threading.RLock()
+        # a runner whose graphs compile in the background (trn2.warmup) runs them under its exec_lock:
+        # held for a whole step and profile, so they never interleave with an eager step's writes
+        self._exec_lock = runner.exec_lock or contextlib.nullcontext()
         self.cost: StepCost | None = None
+        self._cost_provisional = False  # the eager profile of a runner whose graphs are still compiling
         self.clock = clock  # the step-cost profile's and the decode steps' timer (step_profile, step_learn)
         # every decode step's measured seconds enter the learner (step_learn); with step_cost_online
         # admission reads the learned cost and the fixed-length guard (fixed_guard) watches admission
@@ -184,15 +189,20 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if loaded is not None:
             self.cost = loaded
             return self.cost
-        self.cost = prof.measure(self.free)
-        prof.save(self.cost)
+        with self._exec_lock:
+            # graphs still compiling in the background: the eager steps that serve meanwhile are
+            # profiled, not saved, and profiled again on the rounds once they are warm (`_step`)
+            self._cost_provisional = not self.runner.graphs_ready
+            self.cost = prof.measure(self.free)
+        if not self._cost_provisional:
+            prof.save(self.cost)
         return self.cost
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
         # an eager engine's step (sampling, drafting, acceptance around the forward) without autograd's
         # bookkeeping, as LocalRunner's forward (`LocalRunner._inference`)
-        with self.step_lock, torch.inference_mode(not self.runner.static_rounds):
+        with self.step_lock, self._exec_lock, torch.inference_mode(not self.runner.static_rounds):
             self._step()
 
     def _step(self) -> None:
@@ -200,6 +210,10 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self._admit_waiting()
         if not self.running:
             return
+        if self._cost_provisional and self.runner.graphs_ready:
+            # the graphs are warm: the rounds' own profile replaces the eager one, and what the
+            # learner measured against the eager profile goes with it
+            self.cost, self._cost_provisional, self.learner = None, False, StepCostLearner()
         if self.settings.spec_mode == "dspark" and self.cost is None:
             self.ensure_cost()  # before the step's forward: profiling runs forwards of its own
         try:

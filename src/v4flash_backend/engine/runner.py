@@ -35,6 +35,10 @@ class Runner(Protocol):
     # host_to_device_bytes (+ a static runner's prefill_graphs, graphs_compiled, eager_forwards ...)
     counters: dict
     counts_host_syncs: bool  # False: host_syncs is not counted (the stats report None, not 0)
+    # a lock the engine holds for a whole step (and its profile) while compiled graphs run under it
+    # beside the steps (trn2.warmup: graphs compiling in the background); None: nothing runs beside
+    exec_lock: object
+    graphs_ready: bool  # False while graphs compile in the background (the profile then times eager steps)
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's state (a new request takes it)."""
@@ -88,6 +92,8 @@ class LocalRunner:
 
     decode_graph = "eager"
     static_rounds = False
+    exec_lock = None  # nothing compiles beside the steps (StaticRunner: its own)
+    graphs_ready = True
 
     def __init__(self, model: V41Model, num_slots: int, max_len: int, margin: int = 8,
                  count_host_syncs: bool = False):

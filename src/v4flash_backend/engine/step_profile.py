@@ -47,8 +47,8 @@ class StepProfiler:
         scratch = self.runner.state.num_slots - 1
         top = self.settings.max_num_seqs * (1 + self.gamma)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, top} & set(range(1, top + 1)) | {top})
-        if self.runner.static_rounds:
-            return self._static_cost(sizes, scratch)
+        if self.runner.static_rounds and self.runner.graphs_ready:
+            return self._static_cost(sizes, scratch)  # (still compiling: the eager steps that serve meanwhile)
         return self._eager_cost(scratch, free)
 
     def _eager_cost(self, scratch: int, free: list[int]) -> StepCost:

@@ -44,8 +44,9 @@ def _log(rank: int, msg: str) -> None:
 
 def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     """This rank's runner: decode_graph static -> the static round graphs (compiled with
-    graph_backend, every bucket at start), eager -> the op-by-op LocalRunner. Every rank builds the
-    same kind, so the ranks meet in the same collectives."""
+    graph_backend, every bucket at start, or in the background with graph_warmup background:
+    trn2.warmup), eager -> the op-by-op LocalRunner. Every rank builds the same kind, so the ranks
+    meet in the same collectives."""
     from v4flash_backend.engine.runner import LocalRunner
 
     if settings.decode_graph_mode != "static":
@@ -54,9 +55,11 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
 
     ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
+    background = settings.graph_warmup_mode == "background" and ns.backend != "none"
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
-                          prefill_rows=settings.prefill_chunk)
+                          prefill_rows=settings.prefill_chunk,
+                          count_host_syncs=settings.count_host_syncs or not background)
     device = settings.resident_device
     if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
         import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
@@ -70,10 +73,20 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
 
         _log(rank, f"placed {place_resident(runner, device)} tensors on the {device} device")
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
+    nodraft = settings.dspark_adaptive or mode == "off"  # rounds that neither verify nor draft: 1 row a sequence
+    if background:
+        from v4flash_backend.trn2.warmup import BackgroundWarmup
+
+        runner.warming = BackgroundWarmup(runner, mode, settings.fixed_len, STOP_WIDTH, settings.warm_processed,
+                                          nodraft, log=lambda msg: _log(rank, msg))
+        runner.warming.start()
+        _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} buckets in the "
+                   "background, smallest first; eager steps serve until a bucket's graphs are warm")
+        return runner
     t0 = time.monotonic()
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
                           stop_width=STOP_WIDTH, processed=settings.warm_processed)
-    if settings.dspark_adaptive or mode == "off":  # rounds that neither verify nor draft: 1 row per sequence
+    if nodraft:
         runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
                                processed=settings.warm_processed)
     runner.warm_up_prefill(progress if rank == 0 else None)

@@ -104,6 +104,11 @@ class PlanRunner:
         self.static_rounds = local.static_rounds
         self.counters = local.counters
         self.counts_host_syncs = local.counts_host_syncs
+        self.exec_lock = local.exec_lock  # a static runner's (trn2.warmup)
+
+    @property
+    def graphs_ready(self) -> bool:
+        return self.local.graphs_ready
 
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
         return self.local.round_fits(seqs, ctx_needed)  # a pure function of the plan: no broadcast

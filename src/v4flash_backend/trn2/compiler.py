@@ -80,8 +80,12 @@ def _inductor_config():
     return config.patch(emulate_precision_casts=True, cpp_wrapper=True)
 
 
-def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
-    """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs."""
+def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=None):
+    """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs. lock: held
+    while the compiled graph runs (not while it compiles): a graph compiled in the background
+    (trn2.warmup) runs its padding rounds between the serving thread's eager steps, which hold it --
+    a compiled graph may write a state tensor whole (a functionalized scatter copied back), which
+    must not interleave with an eager step writing other slots of it."""
     ops.backend_module()  # resolve the ops backend now: the graph must not trace an import
     if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
         return fn
@@ -107,6 +111,8 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
             out = inner(gm, example_inputs, **kwargs)
         stats.graphs += 1
         stats.seconds += time.perf_counter() - t0
+        if lock is not None:
+            out = _holding(lock, out)
         return out if express is None else express.plan(gm, example_inputs, out)
 
     traced: dict = {}
@@ -125,3 +131,12 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None):
     run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
     run.express = express
     return run
+
+
+def _holding(lock, compiled):
+    """`compiled` run while holding `lock` (an uncontended RLock costs well under a microsecond)."""
+    def call(*args):
+        with lock:
+            return compiled(*args)
+
+    return call

@@ -7,7 +7,9 @@ warm cache makes this a load), and it counts executions.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +57,20 @@ def startup_graphs(settings, dspark: bool = True) -> int:
     return n + len(prefill_buckets(settings.prefill_chunk, settings.max_model_len))
 
 
+_QUIET = threading.local()
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Graph runs of this thread are not counted as executions: trn2.warmup's padding rounds, run
+    beside the serving thread, whose steps count the executions of their own rounds."""
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = False
+
+
 class _Progress:
     def __init__(self, total: int, out, width: int = 24):
         self.total, self.out, self.width, self.t0 = total, out, width, time.perf_counter()
@@ -81,6 +97,7 @@ class StaticGraphs:
     blocks: object = None  # static_round.BlockState: the served round graphs (None: bare verify/draft)
     executions: int = 0  # graph executions (verify + draft calls)
     primed: bool = False  # `prime` ran (the host-side caches it fills are the model's: once is enough)
+    lock: object = None  # held while a compiled graph runs (compile_step; the runner's exec_lock)
     _verify: dict = field(default_factory=dict)
     _draft: dict = field(default_factory=dict)
     _rverify: dict = field(default_factory=dict)
@@ -102,7 +119,7 @@ class StaticGraphs:
                 def fn(slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids):
                     return verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed,
                                         rnd, budget, stop_ids)
-            self._rverify[(b, processed)] = compile_step(fn, self.settings, self.stats)
+            self._rverify[(b, processed)] = compile_step(fn, self.settings, self.stats, self.lock)
         return self._rverify[(b, processed)]
 
     def round_draft_graph(self, b: Bucket, mode: str, fixed_len: int, processed: bool = False):
@@ -119,12 +136,14 @@ class StaticGraphs:
             else:
                 def fn(*a):
                     return draft_round(dec, blk, mode, fixed_len, *a)
-            self._rdraft[key] = compile_step(fn, self.settings, self.stats)
+            self._rdraft[key] = compile_step(fn, self.settings, self.stats, self.lock)
         return self._rdraft[key]
 
     def _ran(self, graph) -> None:
         """Count one graph execution and the collectives traced into it (counting stays outside
         the graph: the compile backend listed them, `Collectives.count_traced` books them)."""
+        if getattr(_QUIET, "on", False):
+            return
         self.executions += 1
         counts = getattr(graph, "traced", {}).get("collectives")
         comm = getattr(getattr(self.decoder, "m", None), "comm", None)
@@ -156,13 +175,13 @@ class StaticGraphs:
         if b not in self._verify:
             dec = self.decoder
             self._verify[b] = compile_step(lambda tokens, slot, start, n: dec.verify(tokens, slot, start, n, b.ctx),
-                                           self.settings, self.stats)
+                                           self.settings, self.stats, self.lock)
         return self._verify[b]
 
     def draft_graph(self, b: Bucket):
         key = (b.seqs, b.rows)  # the draft graph does not depend on the context bound
         if key not in self._draft:
-            self._draft[key] = compile_step(self.decoder.draft, self.settings, self.stats)
+            self._draft[key] = compile_step(self.decoder.draft, self.settings, self.stats, self.lock)
         return self._draft[key]
 
     def verify(self, b: Bucket, tokens, slot, start, n):

@@ -8,6 +8,7 @@ runs on CPU in the tests (compile backend none / eager) as on a NeuronCore.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -33,12 +34,23 @@ class StaticRunner(LocalRunner):
     static_rounds = True
 
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
-                 settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0):
+                 settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0,
+                 count_host_syncs: bool = True):
         # + the scratch slot; host syncs counted as before: a static decode round is one graph call
-        # (its count is the interface: 0), and the eager forwards of fallback steps are rare
-        super().__init__(model, num_slots + 1, max_len, margin, count_host_syncs=True)
+        # (its count is the interface: 0), and the eager forwards of fallback steps are rare -- except
+        # while the graphs compile in the background, where eager steps serve (count_host_syncs False:
+        # the counting hook costs 30-40 % of an eager forward)
+        super().__init__(model, num_slots + 1, max_len, margin, count_host_syncs=count_host_syncs)
         _settle_weights(model)
         settings = settings or NeuronSettings()
+        # held by the serving thread for a whole engine step and by every compiled graph while it runs:
+        # graphs compiled in the background (trn2.warmup) run their padding rounds between steps
+        self.exec_lock = threading.RLock()
+        # the buckets whose graphs are warm while trn2.warmup compiles in the background (decode and
+        # prefill buckets); None: all of them (compiled at start, or nothing to compile). A round or a
+        # forward that needs a bucket not in it runs eager steps meanwhile (round_fits, forward_plan).
+        self.ready: set | None = None
+        self.warming = None  # the trn2.warmup.BackgroundWarmup compiling them
         self.G = model.cfg.dspark_block_size or 0
         rows = 1 + self.G
         self.decoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=rows)
@@ -46,7 +58,7 @@ class StaticRunner(LocalRunner):
         from .static_round import BlockState
 
         self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
-        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks)
+        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks, lock=self.exec_lock)
         # prefill graphs (prefill_rows > 0): one sequence's chunk of up to prefill_rows rows (<= the
         # port's 4096-token segment), padded into the next power-of-two row bucket
         self.pgraphs = None
@@ -54,7 +66,7 @@ class StaticRunner(LocalRunner):
             pb = prefill_buckets(prefill_rows, max_len)
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
-            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings)
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.exec_lock)
         # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
         # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
         # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
@@ -62,7 +74,7 @@ class StaticRunner(LocalRunner):
         if self.G:
             self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
             self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
-                                        stats=self.graphs.stats, blocks=self.blocks)
+                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.exec_lock)
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
         if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
             self.drafter = _HostDrafter(self.drafter, self)
@@ -80,6 +92,33 @@ class StaticRunner(LocalRunner):
                 self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
             bar.show(i + 1, f"plain decode {b}")
 
+    @property
+    def graphs_ready(self) -> bool:
+        """Every bucket's graphs are warm (the step-cost profile times the rounds only then)."""
+        return self.ready is None
+
+    def _warm(self, b: Bucket, kind: str = "decode") -> bool:
+        ready = self.ready
+        return ready is None or (kind, b) in ready
+
+    def warm_bucket(self, b: Bucket, mode: str, fixed_len: int, stop_width: int, processed: bool,
+                    nodraft: bool) -> None:
+        """Compile, on padding plans (they change no real slot), every graph a decode round or a
+        step's short segments may run in decode bucket b: the round graphs of `mode` (and their
+        logit-processing variant), the plain-decode round graphs when the server may not draft
+        (nodraft), the bare verify graph -- what `warm_up`, `warm_up_nodraft` and `warm_up_prefill`
+        compile for b at start."""
+        for proc in (False, True)[:1 + processed]:
+            self.graphs.round(b, mode, fixed_len, self.graphs.round_padding(b, stop_width, proc))
+            if nodraft and self.ngraphs is not None:
+                nb = Bucket(b.seqs, 1, b.ctx)
+                self.ngraphs.round(nb, "off", 0, self.ngraphs.round_padding(nb, stop_width, proc))
+        self.graphs.verify_graph(b)(*self.decoder.padding_plan(b.seqs, b.rows))
+
+    def warm_prefill_bucket(self, pb: Bucket) -> None:
+        """Compile prefill bucket pb's graph on a padding chunk (it writes nothing)."""
+        self.pgraphs.verify_graph(pb)(*self.pdecoder.padding_plan(1, pb.rows))
+
     def warm_up_prefill(self, progress=None) -> None:
         """Compile every prefill bucket on a padding chunk (it writes nothing), and every decode
         bucket's bare verify graph (the forward of a step's short segments, `forward`)."""
@@ -88,7 +127,7 @@ class StaticRunner(LocalRunner):
         pb = self.pgraphs.buckets if self.pgraphs is not None else []
         bar = _Progress(len(pb) + len(self.buckets), progress)
         for i, b in enumerate(pb):
-            self.pgraphs.verify_graph(b)(*self.pdecoder.padding_plan(1, b.rows))
+            self.warm_prefill_bucket(b)
             bar.show(i + 1, f"prefill {b}")
         for i, b in enumerate(self.buckets):
             self.graphs.verify_graph(b)(*self.decoder.padding_plan(b.seqs, b.rows))
@@ -114,6 +153,8 @@ class StaticRunner(LocalRunner):
                 pre.append((pick_bucket(self.pgraphs.buckets, 1, n, start + n), i))
         except ValueError:
             return None
+        if (vb is not None and not self._warm(vb)) or not all(self._warm(pb, "prefill") for pb, _ in pre):
+            return None  # a graph still compiling in the background: the eager forward meanwhile
         return vb, short, pre
 
     def forward(self, tokens, spec, logits_rows, want_taps):
@@ -208,11 +249,12 @@ class StaticRunner(LocalRunner):
         return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
 
     def round_fits(self, seqs: int, ctx_needed: int) -> bool:
+        """A bucket holds the round and its graphs are warm (background compile: not yet -> eager)."""
         try:
-            pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
+            b = pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
         except ValueError:
             return False
-        return True
+        return self._warm(b)
 
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""

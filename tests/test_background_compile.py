@@ -1,0 +1,164 @@
+"""The CPU default decode path and its background compile (`graph_warmup background`, trn2.warmup).
+
+- the defaults resolve as documented: a one-rank CPU server takes the static round graphs compiled
+  by inductor, in the background; several ranks, a pipeline, the nki ops or
+  $V4FLASH_CPU_DECODE_GRAPH=eager keep the old defaults; background on several ranks is refused;
+- a compiled graph runs under the runner's lock but compiles without it (a compile of minutes must
+  not stop the serving thread; a run must not interleave with an eager step);
+- an engine whose graphs compile in the background serves at once: eager steps (and an eager,
+  unsaved step-cost profile) until the bucket is warm, static rounds after, the same tokens as the
+  eager engine throughout.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from v4flash_backend.request import GenerateRequest
+from v4flash_backend.settings import Settings
+
+
+@pytest.fixture
+def cpu_default(monkeypatch):
+    """The CPU default as a user gets it (the suite sets $V4FLASH_CPU_DECODE_GRAPH=eager: conftest)."""
+    monkeypatch.delenv("V4FLASH_CPU_DECODE_GRAPH", raising=False)
+
+
+def test_the_cpu_default_is_the_compiled_path_warmed_in_the_background(cpu_default, monkeypatch):
+    s = Settings()
+    assert (s.decode_graph_mode, s.graph_backend_name, s.graph_warmup_mode) == ("static", "inductor", "background")
+    # several ranks / a pipeline / the Neuron ops: the old defaults
+    assert (Settings(world_size=2).decode_graph_mode, Settings(world_size=2).graph_warmup_mode) == ("eager", "start")
+    p = Settings(world_size=2, pipeline_parallel=2)
+    assert p.decode_graph_mode == "eager"
+    n = Settings(ops_backend="nki")
+    assert (n.decode_graph_mode, n.graph_backend_name, n.graph_warmup_mode) == ("static", "neuron", "start")
+    # a static path asked for by name keeps its graphs op by op unless a backend is named
+    assert (Settings(decode_graph="static").graph_backend_name, Settings(decode_graph="static").graph_warmup_mode) \
+        == ("none", "start")
+    assert Settings(decode_graph="static", graph_backend="inductor").graph_warmup_mode == "background"
+    assert Settings(graph_warmup="start").graph_warmup_mode == "start"
+    with pytest.raises(ValueError, match="graph_warmup"):
+        Settings(world_size=2, graph_warmup="background")
+    monkeypatch.setenv("V4FLASH_CPU_DECODE_GRAPH", "eager")
+    e = Settings()
+    assert (e.decode_graph_mode, e.graph_backend_name, e.graph_warmup_mode) == ("eager", "none", "start")
+    assert Settings(decode_graph="static", graph_backend="eager").decode_graph_mode == "static"  # named: wins
+
+
+def test_a_compiled_graph_runs_under_the_lock_and_compiles_without_it():
+    from v4flash_backend.trn2.compiler import CompileStats, compile_step
+    from v4flash_backend.trn2.launch import NeuronSettings
+
+    lock, stats = threading.RLock(), CompileStats()
+    fn = compile_step(lambda x: x * 2 + 1, NeuronSettings(backend="eager"), stats, lock=lock)
+    out = {}
+    x = torch.arange(4.0)
+    with lock:  # the serving thread's step
+        t = threading.Thread(target=lambda: out.setdefault("y", fn(x)))
+        t.start()
+        for _ in range(600):  # the compile finishes while the lock is held ...
+            if stats.graphs:
+                break
+            t.join(0.05)
+        assert stats.graphs == 1
+        t.join(0.5)
+        assert t.is_alive() and "y" not in out  # ... the run waits for it
+    t.join(30)
+    assert torch.equal(out["y"], x * 2 + 1)
+    assert torch.equal(fn(x), x * 2 + 1)  # later calls (express) hold it too, and the owner may re-enter
+    with lock:
+        assert torch.equal(fn(x), x * 2 + 1)
+
+
+def _run(engine, prompt: list[int], n: int) -> tuple[list[int], int, int]:
+    """Serve one greedy request to the end on this thread; (tokens, static steps, eager decode steps)."""
+    before = dict(engine.decode_totals)
+    events = engine.run_request(GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, temperature=0.0))
+    assert events[-1].error is None, events[-1].error
+    ids = [t for e in events for t in e.token_ids]
+    return (ids, engine.decode_totals["static_steps"] - before["static_steps"],
+            engine.decode_totals["static_fallback_steps"] - before["static_fallback_steps"])
+
+
+def test_background_compile_serves_eager_steps_until_the_bucket_is_warm(small_ckpt, monkeypatch):
+    from v4flash_backend.group.build import build_engine
+    from v4flash_backend.trn2.static_runner import StaticRunner
+
+    gate = threading.Event()
+    warm_bucket = StaticRunner.warm_bucket
+
+    def gated(self, *a, **k):  # the compile waits until the first request is served
+        assert gate.wait(120)
+        return warm_bucket(self, *a, **k)
+
+    monkeypatch.setattr(StaticRunner, "warm_bucket", gated)
+    common = dict(checkpoint_dir=str(small_ckpt), max_num_seqs=1, max_model_len=48, prefill_chunk=16,
+                  spec_mode="dspark")
+    engine = build_engine(Settings(decode_graph="static", graph_backend="eager", **common), progress=None)
+    runner = engine.runner
+    w = runner.warming
+    assert w is not None and w.thread.is_alive() and not runner.graphs_ready
+    assert runner.ready == set() and runner.counters["graph_buckets"] == 2  # one decode, one prefill bucket
+    prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8])
+    ids1, static1, eager1 = _run(engine, prompts[0], 12)
+    assert static1 == 0 and eager1 > 0  # served before any graph was warm: eager decode steps
+    assert engine._cost_provisional and not runner.graphs.stats.graphs  # the eager profile, nothing compiled
+    eager_cost = engine.cost
+    gate.set()
+    assert w.wait(300) and w.error is None, w.error
+    assert runner.graphs_ready and runner.counters["graph_buckets_warm"] == 2
+    ids2, static2, eager2 = _run(engine, prompts[1], 12)
+    assert static2 > 0 and eager2 == 0  # every decode step a static round
+    assert not engine._cost_provisional and engine.cost is not eager_cost  # profiled again, on the rounds
+    # the eager engine's tokens for both requests
+    ref = build_engine(Settings(decode_graph="eager", **common), progress=None)
+    assert ids1 == _run(ref, prompts[0], 12)[0] and ids2 == _run(ref, prompts[1], 12)[0]
+    assert len(ids1) == len(ids2) == 12
+
+
+@pytest.mark.slow
+def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_ckpt, cpu_default):
+    """The served path: the rank group `make serve` starts, on the CPU default (decode_graph empty
+    resolves to static, compiled in the background; graph_backend eager here: dynamo's trace without
+    inductor's code generation, minutes less on CI's cores). It reports ready before any graph is warm,
+    serves at once, reports the compile's progress, and its static rounds take over with the same
+    tokens."""
+    import time
+
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.group.rank_group import RankGroup
+    from v4flash_backend.model.loading import load_model
+
+    s = Settings(checkpoint_dir=str(small_ckpt), graph_backend="eager", max_num_seqs=1, max_model_len=48,
+                 prefill_chunk=16, spec_mode="fixed", fixed_len=3, heartbeat_s=1.0, startup_timeout_s=300.0)
+    assert s.decode_graph_mode == "static" and s.graph_warmup_mode == "background"
+    prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8])
+    ref = Engine(LocalRunner(load_model(small_ckpt), 2, 48), Settings(max_num_seqs=1, max_model_len=48,
+                                                                      spec_mode="off"))
+    want = [[t for e in ref.run_request(GenerateRequest(prompt=p, max_tokens=10, ignore_eos=True)) for t in e.token_ids]
+            for p in prompts]
+    group = RankGroup.launch(s)
+    try:
+        st = group.stats()["engine"]
+        assert st["decode_graph"] == "static" and st["graph_buckets"] == 2 and st["graph_buckets_warm"] < 2
+        res = group.submit(prompts[0], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
+        assert res["error"] is None and res["token_ids"] == want[0]
+        st = group.stats()["engine"]
+        assert st["static_fallback_steps"] > 0  # eager steps served it (its graphs were not warm yet)
+        deadline = time.monotonic() + 300
+        while st["graph_buckets_warm"] < st["graph_buckets"] and time.monotonic() < deadline:
+            time.sleep(1.0)
+            st = group.stats()["engine"]
+        assert st["graph_buckets_warm"] == st["graph_buckets"] == 2
+        before = (st["static_steps"], st["static_fallback_steps"])
+        res = group.submit(prompts[1], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
+        assert res["error"] is None and res["token_ids"] == want[1]
+        st = group.stats()["engine"]
+        assert st["static_steps"] > before[0] and st["static_fallback_steps"] == before[1]  # the rounds took over
+    finally:
+        group.shutdown(timeout=30)
