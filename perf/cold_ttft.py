@@ -36,8 +36,8 @@ def main() -> None:
     torch.set_num_threads(1)
     extra = {} if args.prefix_cache_bytes is None else {"prefix_cache_bytes": args.prefix_cache_bytes}
     # the eager path (the CPU default compiles its graphs in the background, beside the measurement)
-    eng = build_engine(Settings(checkpoint_dir=str(args.checkpoint), decode_graph="eager", spec_mode="off", max_num_seqs=1,
-                                max_model_len=args.prompt_len + 16, **extra), progress=None)
+    eng = build_engine(Settings(checkpoint_dir=str(args.checkpoint), decode_graph="eager", spec_mode="off",
+                                max_num_seqs=1, max_model_len=args.prompt_len + 16, **extra), progress=None)
     g = torch.Generator().manual_seed(1)
     ttft = []
     for _ in range(args.requests):

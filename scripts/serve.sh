@@ -60,6 +60,10 @@ print(path)
 EOF
 )
 export V4FLASH_CHECKPOINT_DIR=$ckpt
+# The engine's own files (the step-cost profiles of the eager steps and of the compiled rounds), so
+# that a restart loads them instead of timing them again (ready sooner): .cache/state unless the
+# variable is set (the images set /var/lib/v4flash; set and empty: nothing is written).
+export V4FLASH_STATE_DIR=${V4FLASH_STATE_DIR-$ROOT/.cache/state}
 
 restrict=()
 if [[ ${V4FLASH_RESTRICT_ADMIN:-0} == 1 ]]; then

@@ -18,6 +18,9 @@ os.environ.setdefault("SERVE_MAX_RESTARTS", "0")
 # cores per bucket on CI's machine): the servers and engines of the tests keep the eager default
 # unless they name decode_graph (tests/test_background_compile.py tests the default itself).
 os.environ.setdefault("V4FLASH_CPU_DECODE_GRAPH", "eager")
+# ... and write no step-cost profile that a later test's server would load (scripts/serve.sh keeps
+# them in .cache/state unless the variable is set; set and empty: none is written)
+os.environ.setdefault("V4FLASH_STATE_DIR", "")
 
 
 @pytest.fixture(scope="session")

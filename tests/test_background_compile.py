@@ -74,50 +74,77 @@ def test_a_compiled_graph_runs_under_the_lock_and_compiles_without_it():
         assert torch.equal(fn(x), x * 2 + 1)
 
 
-def _run(engine, prompt: list[int], n: int) -> tuple[list[int], int, int]:
+def _run(engine, prompt: list[int], n: int, **kw) -> tuple[list[int], int, int]:
     """Serve one greedy request to the end on this thread; (tokens, static steps, eager decode steps)."""
     before = dict(engine.decode_totals)
-    events = engine.run_request(GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, temperature=0.0))
+    events = engine.run_request(GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, temperature=0.0, **kw))
     assert events[-1].error is None, events[-1].error
     ids = [t for e in events for t in e.token_ids]
     return (ids, engine.decode_totals["static_steps"] - before["static_steps"],
             engine.decode_totals["static_fallback_steps"] - before["static_fallback_steps"])
 
 
-def test_background_compile_serves_eager_steps_until_the_bucket_is_warm(small_ckpt, monkeypatch):
+def _until(cond, timeout: float = 300.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_ckpt, monkeypatch, tmp_path):
+    import os
+
     from v4flash_backend.group.build import build_engine
-    from v4flash_backend.trn2.static_runner import StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup
 
-    gate = threading.Event()
-    warm_bucket = StaticRunner.warm_bucket
+    permits = threading.Semaphore(0)  # one a graph set: the test decides when each may compile
+    warm = BackgroundWarmup._warm
 
-    def gated(self, *a, **k):  # the compile waits until the first request is served
-        assert gate.wait(120)
-        return warm_bucket(self, *a, **k)
+    def gated(self, job):
+        assert permits.acquire(timeout=120)
+        return warm(self, job)
 
-    monkeypatch.setattr(StaticRunner, "warm_bucket", gated)
+    monkeypatch.setattr(BackgroundWarmup, "_warm", gated)
     common = dict(checkpoint_dir=str(small_ckpt), max_num_seqs=1, max_model_len=48, prefill_chunk=16,
                   spec_mode="dspark")
-    engine = build_engine(Settings(decode_graph="static", graph_backend="eager", **common), progress=None)
+    settings = Settings(decode_graph="static", graph_backend="eager", state_dir=str(tmp_path), **common)
+    eager_sps = settings.replace(decode_graph="eager", graph_backend="").sps_file
+    assert eager_sps != settings.sps_file
+    engine = build_engine(settings, progress=None)
     runner = engine.runner
     w = runner.warming
     assert w is not None and w.thread.is_alive() and not runner.graphs_ready
-    assert runner.ready == set() and runner.counters["graph_buckets"] == 2  # one decode, one prefill bucket
-    prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8])
-    ids1, static1, eager1 = _run(engine, prompts[0], 12)
-    assert static1 == 0 and eager1 > 0  # served before any graph was warm: eager decode steps
+    # one decode bucket: its plain rounds, its logit-processing rounds, its forward graph; one prefill bucket
+    assert [j[0] for j in w.jobs] == ["round", "round", "forward", "prefill"] and w.jobs[0][2] is False
+    assert runner.ready == set() and runner.counters["warmup_total"] == 4
+    prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8], [0, 3, 3, 8], [0, 7, 1])
+    got = [_run(engine, prompts[0], 12)]
+    assert got[0][1:] == (0, got[0][2]) and got[0][2] > 0  # nothing warm: eager decode steps only
     assert engine._cost_provisional and not runner.graphs.stats.graphs  # the eager profile, nothing compiled
+    # saved as the eager path's profile (a restart loads it), not as the rounds' one
+    assert os.path.exists(eager_sps) and not os.path.exists(settings.sps_file)
     eager_cost = engine.cost
-    gate.set()
+    permits.release()  # the plain rounds
+    _until(lambda: runner.counters["warmup_done"] == 1)
+    got.append(_run(engine, prompts[1], 12))
+    assert got[1][1] > 0 and got[1][2] == 0  # plain requests: static rounds
+    got.append(_run(engine, prompts[2], 12, logprobs=0))
+    assert got[2][1] == 0 and got[2][2] > 0  # log-probs need the processed rounds: not warm yet, eager
+    assert engine._cost_provisional
+    for _ in range(3):
+        permits.release()
     assert w.wait(300) and w.error is None, w.error
-    assert runner.graphs_ready and runner.counters["graph_buckets_warm"] == 2
-    ids2, static2, eager2 = _run(engine, prompts[1], 12)
-    assert static2 > 0 and eager2 == 0  # every decode step a static round
+    assert runner.graphs_ready and runner.counters["warmup_done"] == 4
+    got.append(_run(engine, prompts[3], 12, logprobs=0))
+    assert got[3][1] > 0 and got[3][2] == 0  # now static rounds too
     assert not engine._cost_provisional and engine.cost is not eager_cost  # profiled again, on the rounds
-    # the eager engine's tokens for both requests
-    ref = build_engine(Settings(decode_graph="eager", **common), progress=None)
-    assert ids1 == _run(ref, prompts[0], 12)[0] and ids2 == _run(ref, prompts[1], 12)[0]
-    assert len(ids1) == len(ids2) == 12
+    assert os.path.exists(settings.sps_file)
+    # the eager engine's tokens for every request
+    ref = build_engine(Settings(decode_graph="eager", **common), progress=None)  # (no state dir: profiles anew)
+    for p, g, kw in zip(prompts, got, ({}, {}, {"logprobs": 0}, {"logprobs": 0})):
+        assert len(g[0]) == 12 and g[0] == _run(ref, p, 12, **kw)[0]
 
 
 @pytest.mark.slow
@@ -145,16 +172,16 @@ def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_c
     group = RankGroup.launch(s)
     try:
         st = group.stats()["engine"]
-        assert st["decode_graph"] == "static" and st["graph_buckets"] == 2 and st["graph_buckets_warm"] < 2
+        assert st["decode_graph"] == "static" and st["warmup_total"] == 4 and st["warmup_done"] < 4
         res = group.submit(prompts[0], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
         assert res["error"] is None and res["token_ids"] == want[0]
         st = group.stats()["engine"]
         assert st["static_fallback_steps"] > 0  # eager steps served it (its graphs were not warm yet)
         deadline = time.monotonic() + 300
-        while st["graph_buckets_warm"] < st["graph_buckets"] and time.monotonic() < deadline:
+        while st["warmup_done"] < st["warmup_total"] and time.monotonic() < deadline:
             time.sleep(1.0)
             st = group.stats()["engine"]
-        assert st["graph_buckets_warm"] == st["graph_buckets"] == 2
+        assert st["warmup_done"] == st["warmup_total"] == 4
         before = (st["static_steps"], st["static_fallback_steps"])
         res = group.submit(prompts[1], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
         assert res["error"] is None and res["token_ids"] == want[1]

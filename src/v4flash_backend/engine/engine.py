@@ -76,8 +76,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         # held for a whole step: stats() waits for the step in progress, so a client that reads the
         # stats after its final event sees that step's accounting (the event is sent mid-step)
         self.step_lock = threading.RLock()
-        # a runner whose graphs compile in the background (trn2.warmup) runs them under its exec_lock:
-        # held for a whole step and profile, so they never interleave with an eager step's writes
+        # a runner whose graphs compile in the background: its exec_lock (trn2.warmup.StepGate), held
+        # for a whole step and profile -- no compiled graph runs beside it, and the compile pauses
         self._exec_lock = runner.exec_lock or contextlib.nullcontext()
         self.cost: StepCost | None = None
         self._cost_provisional = False  # the eager profile of a runner whose graphs are still compiling
@@ -186,16 +186,22 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
             return self.cost
         prof = StepProfiler(self.runner, self.settings, self.gamma, clock=self.clock)
         loaded = prof.load()
+        if loaded is None and not self.runner.graphs_ready:
+            # graphs still compiling in the background: the eager steps that serve meanwhile are
+            # priced by the eager path's profile (its own file in the state directory; never
+            # sps_path, which names the rounds' profile), and the rounds' profile replaces it once
+            # they are all warm (`_step`)
+            self._cost_provisional = True
+            eager = self.settings.replace(decode_graph="eager", graph_backend="", graph_warmup="",
+                                          resident_device="", sps_path="")
+            prof = StepProfiler(self.runner, eager, self.gamma, clock=self.clock)
+            loaded = prof.load()
         if loaded is not None:
             self.cost = loaded
             return self.cost
         with self._exec_lock:
-            # graphs still compiling in the background: the eager steps that serve meanwhile are
-            # profiled, not saved, and profiled again on the rounds once they are warm (`_step`)
-            self._cost_provisional = not self.runner.graphs_ready
             self.cost = prof.measure(self.free)
-        if not self._cost_provisional:
-            prof.save(self.cost)
+        prof.save(self.cost)
         return self.cost
 
     # ---- one step ------------------------------------------------------------------------------
@@ -211,8 +217,8 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if not self.running:
             return
         if self._cost_provisional and self.runner.graphs_ready:
-            # the graphs are warm: the rounds' own profile replaces the eager one, and what the
-            # learner measured against the eager profile goes with it
+            # the graphs are warm: the rounds' own profile (loaded, or timed and saved) replaces the
+            # eager one, and what the learner measured against the eager profile goes with it
             self.cost, self._cost_provisional, self.learner = None, False, StepCostLearner()
         if self.settings.spec_mode == "dspark" and self.cost is None:
             self.ensure_cost()  # before the step's forward: profiling runs forwards of its own

@@ -29,8 +29,14 @@ class StaticRoundStep:
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False
         # min_tokens, penalties, log-probs and top-k / top-p filters run in the rounds' processed variant
-        # (static_round; the plain one samples without the filters)
-        return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running))
+        # (static_round; the plain one samples without the filters), whose graphs may still be compiling
+        return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running),
+                            self._round_processed(self.running))
+
+    def _round_processed(self, seqs: list[Seq]) -> bool:
+        """Does the round run the processed variant (min_tokens, penalties, log-probs, filters)?"""
+        return self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs) or \
+            filters(seqs, self.mcfg.vocab_size)
 
     def _step_static(self) -> None:
         """One decode round in the runner's static graphs: verify + acceptance + sampling, then
@@ -46,8 +52,7 @@ class StaticRoundStep:
         self._kind = KIND_OF[decision]
         self._explore = self._guard_explores(decision)
         dspark = self.spec and self.settings.spec_mode == "dspark"
-        processed = self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs) or \
-            filters(seqs, self.mcfg.vocab_size)
+        processed = self._round_processed(seqs)
         self._sync_round_state(seqs, processed)
         in_sync = [s.counted == s.n_out for s in seqs]
         plan = self._round_plan(seqs, decision, dspark, processed)

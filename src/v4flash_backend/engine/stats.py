@@ -57,8 +57,8 @@ class EngineStats:
                  boundary_resident_moves=c.get("boundary_resident_moves"),
                  boundary_reads=c.get("boundary_reads"),
                  plain_decode_rounds=c.get("plain_decode_rounds", 0),
-                 # a background compile's progress (trn2.warmup): buckets whose graphs are warm, of all
-                 graph_buckets_warm=c.get("graph_buckets_warm"), graph_buckets=c.get("graph_buckets"),
+                 # a background compile's progress (trn2.warmup): graph sets warm, of all
+                 warmup_done=c.get("warmup_done"), warmup_total=c.get("warmup_total"),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),

@@ -116,17 +116,19 @@ class ServingMetrics:
                                          F.GAUGE).Metric(labels=labels)
         self.static_fallback_steps = family("v4flash:static_fallback_steps",
                                             "Decode steps a static runner ran op by op (more than 8 stop ids, "
-                                            "no bucket)", F.GAUGE).Metric(labels=labels)
+                                            "no bucket, or its graphs still compiling in the "
+                                            "background)", F.GAUGE).Metric(labels=labels)
         self.graphs_per_prefill_step = family("v4flash:prefill_graph_executions_per_step",
                                               "Graph executions per step with prefill rows (prefill graphs + the "
                                               "verify graph of its decode rows; 0: eager)",
                                               F.GAUGE).Metric(labels=labels)
         # a static server compiling in the background (graph_warmup background): its progress
-        self.graph_buckets_warm = family("v4flash:graph_buckets_warm",
-                                         "Buckets whose static graphs are warm (background compile; the rest "
-                                         "serve eager steps)", F.GAUGE).Metric(labels=labels)
-        self.graph_buckets = family("v4flash:graph_buckets", "Buckets of static graphs a background compile "
-                                    "warms", F.GAUGE).Metric(labels=labels)
+        self.warmup_done = family("v4flash:warmup_graph_sets_warm",
+                                  "Sets of static graphs warm (background compile: a bucket's plain rounds, its "
+                                  "logit-processing rounds, its forward graph, a prefill bucket; the rest serve "
+                                  "eager steps)", F.GAUGE).Metric(labels=labels)
+        self.warmup_total = family("v4flash:warmup_graph_sets", "Sets of static graphs a background compile warms",
+                                   F.GAUGE).Metric(labels=labels)
         by_kind = family("v4flash:decode_steps_by_kind",
                          "Decode steps by DSpark's decision: draft (verify + draft), probe (one draft "
                          "admitted), aside (stepped aside: no draft stages; 1 graph on the static path)", F.GAUGE)
@@ -206,7 +208,7 @@ class ServingMetrics:
                             ("host_to_device_bytes_per_step", self.h2d_bytes_per_step),
                             ("static_fallback_steps", self.static_fallback_steps),
                             ("graphs_per_prefill_step", self.graphs_per_prefill_step),
-                            ("graph_buckets_warm", self.graph_buckets_warm), ("graph_buckets", self.graph_buckets)):
+                            ("warmup_done", self.warmup_done), ("warmup_total", self.warmup_total)):
             if st.get(key) is not None:  # None: not measured (the eager runner's uncounted host syncs)
                 metric.set(float(st[key]))
         for kind, n in (st.get("decode_steps_by_kind") or {}).items():
@@ -218,8 +220,8 @@ class ServingMetrics:
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
                      "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
-                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "graph_buckets_warm",
-                     "graph_buckets", "steps_by_kind",
+                     "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "warmup_done",
+                     "warmup_total", "steps_by_kind",
                      "prefix_counters", "prefix_bytes"):
             setattr(self, name, None)
         self._families.clear()

@@ -20,6 +20,7 @@ from .graphs import StaticGraphs, _Progress, decode_buckets, prefill_buckets, to
 from .launch import NeuronSettings
 from .round_plan import RoundPlan, filters_sampling
 from .static_step import BoundarySpy, Bucket, HostSyncCounter, StaticDecoder, pick_bucket
+from .warmup import StepGate
 
 
 class StaticRunner(LocalRunner):
@@ -43,12 +44,15 @@ class StaticRunner(LocalRunner):
         super().__init__(model, num_slots + 1, max_len, margin, count_host_syncs=count_host_syncs)
         _settle_weights(model)
         settings = settings or NeuronSettings()
-        # held by the serving thread for a whole engine step and by every compiled graph while it runs:
-        # graphs compiled in the background (trn2.warmup) run their padding rounds between steps
-        self.exec_lock = threading.RLock()
-        # the buckets whose graphs are warm while trn2.warmup compiles in the background (decode and
-        # prefill buckets); None: all of them (compiled at start, or nothing to compile). A round or a
-        # forward that needs a bucket not in it runs eager steps meanwhile (round_fits, forward_plan).
+        # held by every compiled graph while it runs, and (through exec_lock, the gate the engine holds
+        # for a whole step) by the serving thread: graphs compiled in the background (trn2.warmup) run
+        # their padding rounds between steps, and the compile pauses while a step runs
+        self.graph_lock = threading.RLock()
+        self.exec_lock = StepGate(self.graph_lock)
+        # the graph sets that are warm while trn2.warmup compiles in the background: ("round", decode
+        # bucket, processed), ("forward", decode bucket), ("prefill", prefill bucket); None: all (compiled
+        # at start, or nothing to compile). A round or a forward that needs a set not in it runs eager
+        # steps meanwhile (round_fits, forward_plan).
         self.ready: set | None = None
         self.warming = None  # the trn2.warmup.BackgroundWarmup compiling them
         self.G = model.cfg.dspark_block_size or 0
@@ -58,7 +62,7 @@ class StaticRunner(LocalRunner):
         from .static_round import BlockState
 
         self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
-        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks, lock=self.exec_lock)
+        self.graphs = StaticGraphs(self.decoder, self.buckets, settings, blocks=self.blocks, lock=self.graph_lock)
         # prefill graphs (prefill_rows > 0): one sequence's chunk of up to prefill_rows rows (<= the
         # port's 4096-token segment), padded into the next power-of-two row bucket
         self.pgraphs = None
@@ -66,7 +70,7 @@ class StaticRunner(LocalRunner):
             pb = prefill_buckets(prefill_rows, max_len)
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
-            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.exec_lock)
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock)
         # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
         # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
         # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
@@ -74,7 +78,7 @@ class StaticRunner(LocalRunner):
         if self.G:
             self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
             self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
-                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.exec_lock)
+                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.graph_lock)
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
         if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
             self.drafter = _HostDrafter(self.drafter, self)
@@ -97,22 +101,23 @@ class StaticRunner(LocalRunner):
         """Every bucket's graphs are warm (the step-cost profile times the rounds only then)."""
         return self.ready is None
 
-    def _warm(self, b: Bucket, kind: str = "decode") -> bool:
+    def _warm(self, *key) -> bool:
         ready = self.ready
-        return ready is None or (kind, b) in ready
+        return ready is None or key in ready
 
-    def warm_bucket(self, b: Bucket, mode: str, fixed_len: int, stop_width: int, processed: bool,
-                    nodraft: bool) -> None:
-        """Compile, on padding plans (they change no real slot), every graph a decode round or a
-        step's short segments may run in decode bucket b: the round graphs of `mode` (and their
-        logit-processing variant), the plain-decode round graphs when the server may not draft
-        (nodraft), the bare verify graph -- what `warm_up`, `warm_up_nodraft` and `warm_up_prefill`
-        compile for b at start."""
-        for proc in (False, True)[:1 + processed]:
-            self.graphs.round(b, mode, fixed_len, self.graphs.round_padding(b, stop_width, proc))
-            if nodraft and self.ngraphs is not None:
-                nb = Bucket(b.seqs, 1, b.ctx)
-                self.ngraphs.round(nb, "off", 0, self.ngraphs.round_padding(nb, stop_width, proc))
+    def warm_round(self, b: Bucket, processed: bool, mode: str, fixed_len: int, stop_width: int,
+                   nodraft: bool) -> None:
+        """Compile, on a padding plan (it changes no real slot), every graph a decode round of
+        decode bucket b may run in one variant (processed: logit processing): the round graphs of
+        `mode`, and the plain-decode round graph when the server may not draft (nodraft) -- what
+        `warm_up` and `warm_up_nodraft` compile for b at start."""
+        self.graphs.round(b, mode, fixed_len, self.graphs.round_padding(b, stop_width, processed))
+        if nodraft and self.ngraphs is not None:
+            nb = Bucket(b.seqs, 1, b.ctx)
+            self.ngraphs.round(nb, "off", 0, self.ngraphs.round_padding(nb, stop_width, processed))
+
+    def warm_forward(self, b: Bucket) -> None:
+        """Compile decode bucket b's bare verify graph (a step's short segments) on a padding plan."""
         self.graphs.verify_graph(b)(*self.decoder.padding_plan(b.seqs, b.rows))
 
     def warm_prefill_bucket(self, pb: Bucket) -> None:
@@ -153,7 +158,7 @@ class StaticRunner(LocalRunner):
                 pre.append((pick_bucket(self.pgraphs.buckets, 1, n, start + n), i))
         except ValueError:
             return None
-        if (vb is not None and not self._warm(vb)) or not all(self._warm(pb, "prefill") for pb, _ in pre):
+        if (vb is not None and not self._warm("forward", vb)) or not all(self._warm("prefill", pb) for pb, _ in pre):
             return None  # a graph still compiling in the background: the eager forward meanwhile
         return vb, short, pre
 
@@ -248,13 +253,14 @@ class StaticRunner(LocalRunner):
             out += list(d.values())
         return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
 
-    def round_fits(self, seqs: int, ctx_needed: int) -> bool:
-        """A bucket holds the round and its graphs are warm (background compile: not yet -> eager)."""
+    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False) -> bool:
+        """A bucket holds the round and its variant's graphs are warm (compiling in the background:
+        not yet -> an eager step)."""
         try:
             b = pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
         except ValueError:
             return False
-        return self._warm(b)
+        return self._warm("round", b, processed)
 
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""

@@ -1,28 +1,41 @@
 """Compiling a one-rank static server's graphs in the background (`graph_warmup background`).
 
 A CPU server compiles its static round graphs with inductor: minutes per bucket on a few cores,
-under a minute for all of them from inductor's FX graph cache. Compiled at start, a fresh clone's
+much less from inductor's FX graph cache. Compiled at start, a fresh clone's
 `make serve` would not be ready for many minutes. In the background it is ready at once: the
 serving thread runs eager steps (the op-by-op forward on the same caches: the same tokens under
 the exact numerics) while a thread compiles bucket by bucket, smallest first (one sequence, the
-shortest context: what a first user sends), and each decode bucket's rounds take over once all of
-its graphs are warm (`StaticRunner.ready`: (kind, bucket) pairs, read by `round_fits` and `forward_plan`).
+shortest context: what a first user sends), in sets that take over one by one once warm: a bucket's
+plain rounds, its logit-processing rounds, its forward graph, then the prefill buckets
+(`StaticRunner.ready`, read by `round_fits` and `forward_plan`).
 
 What keeps the two threads apart:
-- the compiled graphs run under the runner's `exec_lock` (compile_step's `lock`), which the engine
-  holds for a whole step: a padding round never interleaves with an eager step (a compiled graph may
-  copy a whole state tensor back), while compiling -- most of the time -- holds no lock;
+- the compiled graphs run under the runner's `graph_lock` (compile_step's `lock`), which the engine
+  holds for a whole step (through `StepGate`, the runner's exec_lock): a padding round never
+  interleaves with an eager step (a compiled graph may copy a whole state tensor back), while
+  compiling -- most of the time -- holds no lock;
+- the compile pauses while a step runs. Both threads run Python under one GIL, and an eager step
+  gives it up in every torch call (~9,000 a plain decode step): with a tracing thread beside it,
+  each call waited out the thread's switch interval, and a server's first 2-token request (with
+  the step-cost profile) took 168 s; with the pause 4.2 s (the embedded model, this 2-core
+  machine). A profile hook on the compile thread (`sys.setprofile`: every Python and C call; it
+  makes the trace ~2x slower) waits while the gate is held; a wait ends after MAX_PAUSE_S anyway
+  (the thread may hold a lock the step needs: dynamo's compile lock, an import's) with a burst of
+  BURST_S beside the step, then it waits again. So that a busy server still compiles, a step
+  begins after a pause of SHARE x the last step's seconds (at most MAX_SLICE_S) while the compile
+  runs: about a fifth of the wall time goes to the compile under full load, all of it when idle;
 - padding rounds touch only the scratch slot, which the serving thread's eager steps do not use
-  (the step-cost profile does, under the same lock, and the profile of a warming runner is the
+  (the step-cost profile does, under the same gate, and the profile of a warming runner is the
   eager one: `Engine.prior_cost`);
 - the host-side caches a trace must not see filled (dequantized weights, stacked experts) are filled
   before the thread starts (`StaticGraphs.prime`, here in the caller's thread);
 - the thread's graph runs are not counted as executions (`graphs.uncounted`).
 One rank only: on several ranks each graph is a collective and both threads would issue them.
 
-Progress: a log line per warm bucket on stderr, and the runner's counters `graph_buckets_warm` /
-`graph_buckets` (the engine stats). A compile that fails is logged and ends the thread; the buckets
-not warm keep serving eager steps (the server stays up).
+Progress: a log line per warm set on stderr, and the runner's counters `warmup_done` /
+`warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total). A compile
+that fails is logged and ends the thread; what is not warm keeps serving eager steps (the server
+stays up).
 """
 
 from __future__ import annotations
@@ -35,6 +48,47 @@ import time
 from .graphs import uncounted
 
 NICE = 10  # the thread's scheduling priority on Linux (a thread id is a PRIO_PROCESS target there)
+MAX_PAUSE_S = 1.0  # the longest the compile waits at once for a step (module docstring) ...
+BURST_S = 0.05  # ... before it runs this long beside it
+SHARE = 0.25  # the compile's slice before each step, as a share of the last step's seconds
+MAX_SLICE_S = 0.1
+
+
+class StepGate:
+    """The runner's exec_lock: what the engine holds for a whole step (and its profile). It holds
+    the graph lock (no compiled graph runs beside the step) and tells a background compile to pause
+    (`serving`, `idle`); before a step it yields the compile a slice while one runs (`share`). Only
+    the engine's thread enters it (re-entrant: the profile runs inside a step)."""
+
+    def __init__(self, lock):
+        self.lock = lock
+        self.depth = 0
+        self.serving = False
+        self.idle = threading.Event()
+        self.idle.set()
+        self.share = 0.0  # SHARE while a background compile runs
+        self.last_step_s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self):
+        if self.depth == 0 and self.share and self.last_step_s:
+            time.sleep(min(MAX_SLICE_S, self.share * self.last_step_s))
+        self.lock.acquire()
+        self.depth += 1
+        if self.depth == 1:
+            self.idle.clear()
+            self.serving = True
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            self.last_step_s = time.perf_counter() - self._t0
+            self.serving = False
+            self.idle.set()
+        self.lock.release()
+        return False
 
 
 class BackgroundWarmup:
@@ -43,11 +97,15 @@ class BackgroundWarmup:
     def __init__(self, runner, mode: str, fixed_len: int, stop_width: int, processed: bool, nodraft: bool,
                  log=None):
         self.runner = runner
-        self.args = (mode, fixed_len, stop_width, processed, nodraft)
+        self.args = (mode, fixed_len, stop_width, nodraft)
         self.log = log or (lambda msg: print(f"[v4flash] {msg}", file=sys.stderr, flush=True))
         decode = sorted(runner.buckets, key=lambda b: (b.seqs, b.ctx))
         prefill = sorted(runner.pgraphs.buckets, key=lambda b: (b.ctx, b.rows)) if runner.pgraphs else []
-        self.jobs = [("decode", b) for b in decode] + [("prefill", b) for b in prefill]
+        # the graph sets in the order they are compiled, each usable once warm: per decode bucket its
+        # plain rounds (what most requests run), its logit-processing rounds, its forward graph (the
+        # short segments of mixed steps); then the prefill buckets
+        self.jobs = [k for b in decode for k in (("round", b, False), ("round", b, True), ("forward", b))
+                     if processed or k[:3] != ("round", b, True)] + [("prefill", b) for b in prefill]
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -56,21 +114,32 @@ class BackgroundWarmup:
     def start(self) -> None:
         """Prime (this thread), mark nothing warm, start compiling."""
         r = self.runner
-        mode, fixed_len, stop_width, _, _ = self.args
+        mode, fixed_len, stop_width, _ = self.args
         if not (r.graphs.primed or (r.ngraphs is not None and r.ngraphs.primed)):
             r.graphs.prime(mode, fixed_len, stop_width)
         r.ready = set()
-        r.counters.update(graph_buckets_warm=0, graph_buckets=len(self.jobs))
+        r.counters.update(warmup_done=0, warmup_total=len(self.jobs))
         self.t0 = time.monotonic()
+        self._burst_end = 0.0
+        r.exec_lock.share = SHARE
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        """Compile no further bucket (the one in progress finishes)."""
+        """Compile no further graph set (the one in progress finishes)."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
+
+    def _pause(self, frame, event, arg) -> None:
+        """The compile thread's profile hook: wait while the engine runs a step (module docstring)."""
+        g = self.runner.exec_lock
+        if not g.serving or (self._burst_end and time.monotonic() < self._burst_end):
+            return
+        # a wait that times out lets the compile run a short burst beside the step: it may hold what
+        # the step waits for; a long step (the step-cost profile) stays mostly alone
+        self._burst_end = 0.0 if g.idle.wait(MAX_PAUSE_S) else time.monotonic() + BURST_S
 
     def _run(self) -> None:
         r = self.runner
@@ -78,25 +147,41 @@ class BackgroundWarmup:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # the serving thread first
         except (AttributeError, OSError):
             pass
+        sys.setprofile(self._pause)  # this thread only
         try:
             with uncounted():
-                for i, (kind, b) in enumerate(self.jobs):
+                for i, job in enumerate(self.jobs):
                     if self._stop.is_set():
                         return
                     t0 = time.monotonic()
-                    if kind == "decode":
-                        r.warm_bucket(b, *self.args)
-                    else:
-                        r.warm_prefill_bucket(b)
-                    r.ready.add((kind, b))
-                    r.counters["graph_buckets_warm"] = i + 1
-                    self.log(f"graphs warm: {kind} bucket {b} in {time.monotonic() - t0:.1f} s "
-                             f"({i + 1}/{len(self.jobs)}, {time.monotonic() - self.t0:.0f} s since start)")
-            r.ready = None  # every bucket: the profile may now time the rounds (Engine.prior_cost)
-            self.log(f"graphs warm: all {len(self.jobs)} buckets in {time.monotonic() - self.t0:.0f} s")
+                    self._warm(job)
+                    r.ready.add(job)
+                    r.counters["warmup_done"] = i + 1
+                    self.log(f"graphs warm: {_name(job)} in {time.monotonic() - t0:.1f} s ({i + 1}/{len(self.jobs)}, "
+                             f"{time.monotonic() - self.t0:.0f} s since start)")
+            r.ready = None  # every set: the profile may now time the rounds (Engine.prior_cost)
+            self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
         except BaseException as e:  # noqa: BLE001 - a failed compile must not take the server down
             self.error = e
-            self.log(f"background compile failed ({type(e).__name__}: {e}); the buckets not warm keep "
+            self.log(f"background compile failed ({type(e).__name__}: {e}); what is not warm keeps "
                      "serving eager steps")
         finally:
+            sys.setprofile(None)
+            r.exec_lock.share = 0.0
             self.done.set()
+
+    def _warm(self, job: tuple) -> None:
+        r = self.runner
+        mode, fixed_len, stop_width, nodraft = self.args
+        if job[0] == "round":
+            r.warm_round(job[1], job[2], mode, fixed_len, stop_width, nodraft)
+        elif job[0] == "forward":
+            r.warm_forward(job[1])
+        else:
+            r.warm_prefill_bucket(job[1])
+
+
+def _name(job: tuple) -> str:
+    if job[0] == "round":
+        return f"{'processed' if job[2] else 'plain'} rounds {job[1]}"
+    return f"{job[0]} {job[1]}"
