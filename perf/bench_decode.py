@@ -1,10 +1,11 @@
-"""Today's CPU decode path against a faster one, on the embedded model, interleaved and repeated.
+"""The eager CPU decode path against the compiled one, on the embedded model, interleaved and repeated.
 
     .venv/bin/python perf/bench_decode.py [--checkpoint DIR] [--fast-backend inductor] [--batches 1,8]
                                           [--specs off,dspark] [--rounds 3] [--num-prompts 16] [--max-tokens 32]
 
-base: the CPU default (decode_graph eager: the op-by-op forward, `LocalRunner`). fast: the static round
-graphs (`StaticRunner`, the path a NeuronCore runs) compiled by torch.compile backend --fast-backend
+base: the eager path (decode_graph eager: the op-by-op forward, `LocalRunner`; what serves while the
+CPU default compiles). fast: the static round graphs (`StaticRunner`, the path a NeuronCore runs; the
+CPU default once compiled) compiled by torch.compile backend --fast-backend
 (inductor: C++ kernels, the FX graph cache under $TORCHINDUCTOR_CACHE_DIR; none: op by op), with one
 decode bucket per batch (every sequence count pads into it), compiled before the timed rounds: their
 seconds are printed apart (`fast-compile:`), since a server compiles once, not per request.

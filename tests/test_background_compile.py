@@ -189,3 +189,16 @@ def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_c
         assert st["static_steps"] > before[0] and st["static_fallback_steps"] == before[1]  # the rounds took over
     finally:
         group.shutdown(timeout=30)
+
+
+def test_without_a_cpp_compiler_the_cpu_default_serves_eager_steps_and_says_why(small_ckpt, monkeypatch, capsys):
+    from v4flash_backend.group import build
+
+    monkeypatch.setattr(build, "_cxx", lambda: None)
+    s = Settings(checkpoint_dir=str(small_ckpt), decode_graph="static", graph_backend="inductor", max_num_seqs=1,
+                 max_model_len=48, prefill_chunk=16, spec_mode="off")
+    engine = build.build_engine(s, progress=None)
+    assert "no C++ compiler" in capsys.readouterr().err
+    assert engine.runner.warming is None and not engine.runner.graphs_ready
+    ids, static, eager = _run(engine, [0, 5, 6, 7], 6)
+    assert len(ids) == 6 and static == 0 and eager > 0 and not engine.runner.graphs.stats.graphs

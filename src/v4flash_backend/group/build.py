@@ -74,6 +74,11 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
         _log(rank, f"placed {place_resident(runner, device)} tensors on the {device} device")
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
     nodraft = settings.dspark_adaptive or mode == "off"  # rounds that neither verify nor draft: 1 row a sequence
+    if background and ns.backend == "inductor" and not _cxx():
+        _log(rank, "no C++ compiler (g++, c++, clang++ or $CXX) for graph_backend inductor: the static graphs are "
+                   "not compiled and eager steps serve (install g++, or set decode_graph eager)")
+        runner.ready = set()  # nothing will be warm
+        return runner
     if background:
         from v4flash_backend.trn2.warmup import BackgroundWarmup
 
@@ -93,6 +98,13 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
                f"{time.monotonic() - t0:.1f} s")
     return runner
+
+
+def _cxx() -> str | None:
+    """The C++ compiler inductor would use, if there is one."""
+    import shutil
+
+    return next((p for p in (os.environ.get("CXX"), "g++", "c++", "clang++") if p and shutil.which(p)), None)
 
 
 def build_engine(settings: Settings, runner=None, *, model=None, progress=sys.stderr,
