@@ -64,6 +64,8 @@ export V4FLASH_CHECKPOINT_DIR=$ckpt
 # that a restart loads them instead of timing them again (ready sooner): .cache/state unless the
 # variable is set (the images set /var/lib/v4flash; set and empty: nothing is written).
 export V4FLASH_STATE_DIR=${V4FLASH_STATE_DIR-$ROOT/.cache/state}
+# inductor's compiled graphs (the CPU default decode path) beside them, where a reboot keeps them
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/inductor}
 
 restrict=()
 if [[ ${V4FLASH_RESTRICT_ADMIN:-0} == 1 ]]; then

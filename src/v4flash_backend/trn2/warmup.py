@@ -4,9 +4,9 @@ A CPU server compiles its static round graphs with inductor: minutes per bucket 
 much less from inductor's FX graph cache. Compiled at start, a fresh clone's
 `make serve` would not be ready for many minutes. In the background it is ready at once: the
 serving thread runs eager steps (the op-by-op forward on the same caches: the same tokens under
-the exact numerics) while a thread compiles bucket by bucket, smallest first (one sequence, the
-shortest context: what a first user sends), in sets that take over one by one once warm: a bucket's
-plain rounds, its logit-processing rounds, its forward graph, then the prefill buckets
+the exact numerics) while a thread compiles in sets that take over one by one once warm: the plain
+rounds of every decode bucket, smallest first (one sequence, the shortest context: what a first user
+sends), then their logit-processing rounds, their forward graphs, then the prefill buckets
 (`StaticRunner.ready`, read by `round_fits` and `forward_plan`).
 
 What keeps the two threads apart:
@@ -92,7 +92,7 @@ class StepGate:
 
 
 class BackgroundWarmup:
-    """Compiles `runner`'s graphs (a StaticRunner) in a daemon thread, bucket by bucket."""
+    """Compiles `runner`'s graphs (a StaticRunner) in a daemon thread, set by set."""
 
     def __init__(self, runner, mode: str, fixed_len: int, stop_width: int, processed: bool, nodraft: bool,
                  log=None):
@@ -101,11 +101,12 @@ class BackgroundWarmup:
         self.log = log or (lambda msg: print(f"[v4flash] {msg}", file=sys.stderr, flush=True))
         decode = sorted(runner.buckets, key=lambda b: (b.seqs, b.ctx))
         prefill = sorted(runner.pgraphs.buckets, key=lambda b: (b.ctx, b.rows)) if runner.pgraphs else []
-        # the graph sets in the order they are compiled, each usable once warm: per decode bucket its
-        # plain rounds (what most requests run), its logit-processing rounds, its forward graph (the
-        # short segments of mixed steps); then the prefill buckets
-        self.jobs = [k for b in decode for k in (("round", b, False), ("round", b, True), ("forward", b))
-                     if processed or k[:3] != ("round", b, True)] + [("prefill", b) for b in prefill]
+        # the graph sets in the order they are compiled, each usable once warm: every decode bucket's
+        # plain rounds (what most requests run; a cold one took ~14 min here), then their
+        # logit-processing rounds, their forward graphs (the short segments of mixed steps), then the
+        # prefill buckets
+        self.jobs = ([("round", b, False) for b in decode] + [("round", b, True) for b in decode if processed]
+                     + [("forward", b) for b in decode] + [("prefill", b) for b in prefill])
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._stop = threading.Event()
