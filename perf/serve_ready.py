@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,17 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_serving import _free_ports as free_ports  # noqa: E402 - perf/ is this script's directory
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def get(url: str) -> tuple[int, str]:
