@@ -613,8 +613,8 @@ class Soak:
         growth = 0.0
         samples = self.samples
         if self.a.kill_worker and self.recovered_t is not None:  # the restarted group's life only
-            after = [x for x in samples if x[0] >= self.recovered_t - self.t0 + 5.0]
-            samples = after if len(after) >= 2 else samples
+            settled = [x for x in samples if x[0] >= self.recovered_t - self.t0 + 5.0]
+            samples = settled if len(settled) >= 2 else samples
         if samples:
             n = len(samples)
             fifth = max(1, n // 5)
