@@ -85,8 +85,9 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
         runner.warming = BackgroundWarmup(runner, mode, settings.fixed_len, STOP_WIDTH, settings.warm_processed,
                                           nodraft, log=lambda msg: _log(rank, msg))
         runner.warming.start()
-        _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} buckets in the "
-                   "background, smallest first; eager steps serve until a bucket's graphs are warm")
+        _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} graph sets in the "
+                   "background (every bucket's plain rounds first, smallest first); eager steps serve until a "
+                   "set is warm")
         return runner
     t0 = time.monotonic()
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
