@@ -130,9 +130,10 @@ class Settings:
         "else none", scope="group", choices=GRAPH_BACKENDS, env="V4FLASH_NEURON_BACKEND")
     graph_warmup: str = setting(
         "", "when a static server compiles its graphs: start (every bucket before it reports ready) or "
-        "background (ready at once: eager steps serve while a thread compiles bucket by bucket, smallest "
-        "first, and each bucket's static rounds take over once its graphs are warm; one rank only); empty: "
-        "background on a one-rank CPU server whose graph_backend compiles, else start", scope="group",
+        "background (ready at once: eager steps serve while a thread compiles graph sets that take over as "
+        "they get warm -- every bucket's plain rounds, smallest first, then the logit-processing rounds, "
+        "the forward and prefill graphs; one rank only); empty: background on a one-rank CPU server whose "
+        "graph_backend compiles, else start", scope="group",
         choices=GRAPH_WARMUPS)
     resident_device: str = setting(
         "", "where a static server keeps its weights and caches (place_resident, once at load); empty: the "
@@ -272,8 +273,11 @@ class Settings:
         """Does an empty decode_graph take the CPU default (the torch ops on one rank)? A CPU rank
         group of several ranks is a development layout: compiling each rank's graphs at start costs
         minutes there, so it keeps the eager path unless asked."""
-        return (not self.decode_graph and self.ops_backend == "torch" and self.world_size == 1
-                and self.pipeline_parallel == 1)
+        return not self.decode_graph and self._one_cpu_rank
+
+    @property
+    def _one_cpu_rank(self) -> bool:
+        return self.ops_backend == "torch" and self.world_size == 1 and self.pipeline_parallel == 1
 
     @property
     def graph_warmup_mode(self) -> str:
@@ -282,8 +286,7 @@ class Settings:
         cache, and a group's graphs run as collectives)."""
         if self.graph_warmup:
             return self.graph_warmup
-        background = (self.ops_backend == "torch" and self.world_size == 1 and self.pipeline_parallel == 1
-                      and self.decode_graph_mode == "static" and self.graph_backend_name != "none")
+        background = self._one_cpu_rank and self.decode_graph_mode == "static" and self.graph_backend_name != "none"
         return "background" if background else "start"
 
     @property

@@ -97,7 +97,7 @@ class StaticGraphs:
     blocks: object = None  # static_round.BlockState: the served round graphs (None: bare verify/draft)
     executions: int = 0  # graph executions (verify + draft calls)
     primed: bool = False  # `prime` ran (the host-side caches it fills are the model's: once is enough)
-    lock: object = None  # held while a compiled graph runs (compile_step; the runner's exec_lock)
+    lock: object = None  # held while a compiled graph runs (compile_step; the runner's graph_lock)
     _verify: dict = field(default_factory=dict)
     _draft: dict = field(default_factory=dict)
     _rverify: dict = field(default_factory=dict)

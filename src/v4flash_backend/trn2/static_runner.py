@@ -135,7 +135,7 @@ class StaticRunner(LocalRunner):
             self.warm_prefill_bucket(b)
             bar.show(i + 1, f"prefill {b}")
         for i, b in enumerate(self.buckets):
-            self.graphs.verify_graph(b)(*self.decoder.padding_plan(b.seqs, b.rows))
+            self.warm_forward(b)
             bar.show(len(pb) + i + 1, f"forward {b}")
 
     def forward_plan(self, spec):

@@ -122,7 +122,8 @@ class BackgroundWarmup:
         r.counters.update(warmup_done=0, warmup_total=len(self.jobs))
         self.t0 = time.monotonic()
         self._burst_end = 0.0
-        r.exec_lock.share = SHARE
+        self._gate = r.exec_lock  # read by the hook on every call of the compile thread
+        self._gate.share = SHARE
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
@@ -135,7 +136,7 @@ class BackgroundWarmup:
 
     def _pause(self, frame, event, arg) -> None:
         """The compile thread's profile hook: wait while the engine runs a step (module docstring)."""
-        g = self.runner.exec_lock
+        g = self._gate
         if not g.serving or (self._burst_end and time.monotonic() < self._burst_end):
             return
         # a wait that times out lets the compile run a short burst beside the step: it may hold what
