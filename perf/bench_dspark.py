@@ -1,7 +1,7 @@
 """Plain decoding vs DSpark vs fixed-5 speculation, interleaved and repeated, over many prompts.
 
     .venv/bin/python perf/bench_dspark.py [--checkpoint DIR] [--prompts FILE] [--rounds 3]
-                                          [--batches 1,8] [--temps 0,1] [--max-tokens 48] [--oracle]
+                                          [--batches 1,8] [--temps 0,1] [--max-tokens 48] [--oracle] [--fast]
 
 Each (batch, temperature) cell runs the three modes in rounds. In a round every mode runs the same
 prompts in groups of `batch` concurrent requests through its own engine (as a server has: its
@@ -12,6 +12,13 @@ machine then hits the modes alike (interleaving whole runs of 15-45 s let one bu
 mode: batch 1, T = 1 read 0.88x and 0.97x plain in two sessions). All engines share the step-cost
 profile taken once at start. A mode's figure per round is its total generated tokens over the
 wall time of its groups; the cell reports the median over rounds and the spread (min-max).
+
+--fast: the compiled path (the static round graphs compiled by inductor: `make serve`'s CPU default
+once its background compile is done) instead of the eager one. Per batch one `StaticRunner` with one
+decode bucket serves every mode (prefix caching off: the modes share its slots); its graphs (the
+DSpark and fixed-5 rounds, the plain-decode round) are compiled before the timed rounds
+(`fast-compile:` line), and the step cost is profiled on that batch's graphs, as a server of that
+many sequences does (the eager bench profiles once, at the largest batch).
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
@@ -50,6 +57,7 @@ from v4flash_backend.engine.step_learn import StepCostLearner  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
+from v4flash_backend.trn2.round_plan import STOP_WIDTH  # noqa: E402
 
 MODES = ("off", "dspark", "fixed")
 CKPT = [None]  # the checkpoint directory (its dspark_calibration.json is loaded by the engine)
@@ -59,6 +67,24 @@ NAMES = {"off": "plain", "dspark": "dspark", "fixed": "fixed-5", "oracle": "orac
 def default_checkpoint() -> Path:
     tiny = REPO / "models" / "v4flash-tiny"
     return tiny if (tiny / "config.json").exists() else REPO.parent / "shared" / "golden" / "v41-tiny"
+
+
+def fast_runner(model, batch: int, max_len: int, backend: str = "inductor"):
+    """(StaticRunner, compile seconds, graphs): `batch` sequences in one decode bucket of the runner's
+    whole context, every graph the bench's modes run compiled (or loaded from inductor's cache)."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.static_step import Bucket
+
+    G = model.cfg.dspark_block_size or 0
+    # count_host_syncs off, as make serve's CPU default builds it (group/build.py): the counting hook
+    # slows the eager prefill and drafting of the steps around the rounds
+    runner = StaticRunner(model, batch, max_len, buckets=[Bucket(batch, 1 + G, max_len)],
+                          settings=NeuronSettings(backend=backend), count_host_syncs=False)
+    t0 = time.perf_counter()
+    for mode, fixed_len in (("dspark", 0), ("fixed", Settings().fixed_len)):
+        runner.graphs.warm_up(None, mode=mode, fixed_len=fixed_len, stop_width=STOP_WIDTH, processed=False)
+    runner.warm_up_nodraft(None, stop_width=STOP_WIDTH, processed=False)
+    return runner, time.perf_counter() - t0, runner.graphs.stats.graphs
 
 
 def heldout_prompts(tok, n: int, length: int = 48) -> list[list[int]] | None:
@@ -135,17 +161,19 @@ class ModeRun:
     def __init__(self, model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                  adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
                  steps: list | None = None, learned: tuple | None = None, online: bool = True,
-                 admitted: list | None = None):
+                 admitted: list | None = None, runner=None):
         self.mode, self.prompts, self.batch, self.max_tokens, self.temp, self.seed = (
             mode, prompts, batch, max_tokens, temp, seed)
         self.cost, self.outputs, self.steps, self.admitted = cost, outputs, steps, admitted
         self.seconds = 0.0
-        runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
+        shared = runner is not None  # --fast: the batch's compiled runner, shared by the modes
+        if runner is None:
+            runner = LocalRunner(model, batch + 1, max(len(p) for p in prompts) + max_tokens + 16)
         oracle = mode == "oracle"
         self.eng = eng = (OracleEngine if oracle else Engine)(runner, Settings(
             max_num_seqs=batch, max_model_len=runner.state.max_len - 8, spec_mode="dspark" if oracle else mode,
             dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle,
-            step_cost_online=online))
+            step_cost_online=online, **({"prefix_cache_bytes": 0} if shared else {})))
         eng.cost = cost
         if learned is not None:  # the mode's learner and guard, carried from engine to engine
             eng.learner = learned[0]
@@ -204,14 +232,14 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
 def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                       rnd: int, adaptive: bool = True, reference: list | None = None,
                       outputs: dict | None = None, steps: dict | None = None, learned: dict | None = None,
-                      online: bool = True, admitted: dict | None = None) -> dict:
+                      online: bool = True, admitted: dict | None = None, runner=None) -> dict:
     """One round of every mode, interleaved group by group (each group of prompts runs in every mode
     before the next group starts; the order of the modes rotates with the group and the round), so
     a burst of load on the shared machine hits the modes alike instead of one mode's whole run.
     Returns {mode: {tok_s, tau}}. learned: {mode: (StepCostLearner, FixedGuard)} carried over rounds."""
     runs = {m: ModeRun(model, m, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference,
                        (outputs or {}).get(m), (steps or {}).get(m), (learned or {}).get(m), online,
-                       (admitted or {}).get(m)) for m in modes}
+                       (admitted or {}).get(m), runner) for m in modes}
     for gi, g0 in enumerate(range(0, len(prompts), batch)):
         k = (rnd + gi) % len(modes)
         for m in modes[k:] + modes[:k]:
@@ -242,6 +270,8 @@ def main(argv=None) -> int:
                          "admission could reach")
     ap.add_argument("--no-step-cost-online", dest="online", action="store_false",
                     help="admission on the start-up profile alone: no learned step cost, no fixed-length guard")
+    ap.add_argument("--fast", action="store_true",
+                    help="the compiled static path (inductor), compiled before the timed rounds, instead of eager")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="DSpark without dspark_adaptive (raw confidence head, forward-only steps/s, "
                          "no stepping aside)")
@@ -258,21 +288,38 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temps.split(",")]
     print(f"checkpoint {ckpt} (dim {model.cfg.dim}, {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}); "
           f"{source}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}; "
-          f"dspark_adaptive={args.adaptive}; step_cost_online={args.online}")
-    prof = Engine(LocalRunner(model, max(batches) + 1, 512),
-                  Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark", dspark_adaptive=True))
-    cost = prof.ensure_cost()
-    print(f"step cost: {cost}")
+          f"dspark_adaptive={args.adaptive}; step_cost_online={args.online}; "
+          f"path={'fast (static rounds, inductor)' if args.fast else 'eager'}")
+    runners, costs = {}, {}
+    if args.fast:
+        # the bucket's context as perf/bench_decode.py's (256-token TTFT prompt + 16), so the two benches
+        # load each other's graphs from inductor's cache
+        max_len = max(256, max(len(p) for p in prompts) + args.max_tokens) + 16
+        for b in batches:
+            runners[b], secs, graphs = fast_runner(model, b, max_len)
+            print(f"fast-compile: batch={b} graphs={graphs} seconds={secs:.1f}", flush=True)
+            costs[b] = Engine(runners[b], Settings(max_num_seqs=b, max_model_len=max_len - 8, spec_mode="dspark",
+                                                   dspark_adaptive=True, prefix_cache_bytes=0)).ensure_cost()
+            print(f"step cost (batch {b}, the static rounds): {costs[b]}")
+    else:
+        prof = Engine(LocalRunner(model, max(batches) + 1, 512),
+                      Settings(max_num_seqs=max(batches), max_model_len=500, spec_mode="dspark", dspark_adaptive=True))
+        costs = dict.fromkeys(batches, prof.ensure_cost())
+        print(f"step cost: {costs[batches[0]]}")
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None
     reference = None
     # the learner / guard of a mode live as long as the bench (a server's lifetime)
-    learned = {m: (StepCostLearner(), FixedGuard(prof.settings.fixed_len, prof.gamma))
-               for m in MODES + ("oracle",)}
+    prof_fixed_len = Settings().fixed_len
+    prof_gamma = model.cfg.dspark_block_size or 0
+    learned = {m: (StepCostLearner(), FixedGuard(prof_fixed_len, prof_gamma)) for m in MODES + ("oracle",)}
     if args.oracle and 0.0 in temps:  # plain greedy outputs (exact numerics: independent of the batch)
         reference = [[] for _ in prompts]
-        run(model, "off", prompts, max(batches), args.max_tokens, 0.0, cost, 0, outputs=reference)
+        b = max(batches)
+        run(model, "off", prompts, b, args.max_tokens, 0.0, costs[b], 0, outputs=reference, runner=runners.get(b))
     for b in batches:
+        if args.fast:  # a server per batch (its own graphs and profile): its own learners too
+            learned = {m: (StepCostLearner(), FixedGuard(prof_fixed_len, prof_gamma)) for m in MODES + ("oracle",)}
         for t in temps:
             modes = MODES + (("oracle",) if reference is not None and t == 0 else ())
             res = {m: [] for m in modes}
@@ -280,9 +327,9 @@ def main(argv=None) -> int:
             admitted: dict[str, list] = {m: [] for m in modes}
             for rnd in range(args.rounds):
                 outs = {"oracle": [[] for _ in prompts]} if "oracle" in modes else {}
-                got = interleaved_round(model, modes, prompts, b, args.max_tokens, t, cost, 1000 * rnd, rnd,
+                got = interleaved_round(model, modes, prompts, b, args.max_tokens, t, costs[b], 1000 * rnd, rnd,
                                         args.adaptive, reference, outs, {m: steps.setdefault(m, []) for m in modes},
-                                        learned, args.online, admitted)
+                                        learned, args.online, admitted, runners.get(b))
                 for m in modes:
                     res[m].append(got[m])
                 if outs and outs["oracle"] != reference:
