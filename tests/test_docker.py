@@ -186,7 +186,7 @@ def test_neuron_image_startup_timeout_covers_its_compiles(tmp_path):
     s, unknown = Settings.from_params(params)
     assert unknown == {} and (s.world_size, s.ops_backend, s.decode_graph_mode) == (64, "nki", "static")
     graphs = startup_graphs(s)
-    assert int(args["V4FLASH_STARTUP_GRAPHS"]) == graphs == 59  # the count the issue reads off the warm-up
+    assert int(args["V4FLASH_STARTUP_GRAPHS"]) == graphs == 83  # the count the issue reads off the warm-up
     need = int(args["V4FLASH_LOAD_S"]) + graphs * int(args["V4FLASH_COMPILE_S_PER_GRAPH"])
     assert s.startup_timeout_s >= need and s.startup_timeout_s > Settings().startup_timeout_s
     health = next(a for i, a in instructions(DOCKER / "Dockerfile.neuron") if i == "HEALTHCHECK")

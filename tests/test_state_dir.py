@@ -41,7 +41,8 @@ from v4flash_backend.request import GenerateRequest
 from v4flash_backend.serving.engine_inprocess import InProcessEngine
 from v4flash_backend.settings import Settings
 s = Settings(checkpoint_dir=ckpt, state_dir=state, launcher="inprocess", spec_mode="dspark",
-             calibration_online=True, max_num_seqs=2, max_model_len=96)
+             calibration_online=True, max_num_seqs=2, max_model_len=96,
+             dspark_adaptive=False)  # every step drafts: verified blocks to refit from in 24 tokens
 eng = InProcessEngine(s, log=lambda m: None)
 eng.engine.calib.refit_every = 4  # refit within this short run (the default waits for 64 blocks)
 done, tokens = threading.Event(), []

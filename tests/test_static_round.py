@@ -75,7 +75,9 @@ def test_noise_is_uniform_and_keyed():
 
 
 def _run(runner, T, mode, max_tokens=12, seed=7, **sampling):
-    eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode=mode))
+    # dspark_adaptive off: every step drafts, so every round runs both graphs (the adaptive rounds, which
+    # step aside into the plain-decode graph, are test_step_cost's)
+    eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=64, spec_mode=mode, dspark_adaptive=False))
     eng.cost = StepCost(SPS)
     ev = eng.run_request(GenerateRequest(prompt=list(PROMPT), max_tokens=max_tokens, temperature=T, seed=seed,
                                          ignore_eos=True, **sampling))
@@ -126,7 +128,9 @@ def _resident(runner) -> list[torch.Tensor]:
 
 def test_a_decode_round_moves_no_weight_or_cache(tiny_model, monkeypatch):
     sr = StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"))
-    eng = Engine(sr, Settings(max_num_seqs=2, max_model_len=64))
+    # dspark_adaptive off: its host-side calibration reads the confidences out of the read-back (a host
+    # list, which the spy cannot tell from a device read on CPU)
+    eng = Engine(sr, Settings(max_num_seqs=2, max_model_len=64, dspark_adaptive=False))
     eng.cost = StepCost(SPS)
     eng.submit(GenerateRequest(prompt=list(PROMPT), max_tokens=20, ignore_eos=True))
     eng.step()  # prefill (eager)
@@ -240,7 +244,8 @@ def _group_compiled_vs_w1_eager(ckpt, world, model):
                             startup_timeout_s=900.0, collective_timeout_s=300.0,
                             # the same prompt twice: each request prefills it (the counts below), and
                             # admission reads the given table, not the group's own step timings
-                            prefix_cache_bytes=0, step_cost_online=False)
+                            prefix_cache_bytes=0, step_cost_online=False,
+                            dspark_adaptive=False)  # every step drafts: the three graphs counted below
         reqs = [(PROMPT, 8, 0.0, None), (PROMPT, 8, 0.8, 7)]
         g = RankGroup.launch(settings)
         try:
@@ -254,7 +259,8 @@ def _group_compiled_vs_w1_eager(ckpt, world, model):
             g.shutdown(timeout=60)
     want = []
     for p, k, t, s in reqs:
-        eng = Engine(LocalRunner(model, 2, 40), Settings(max_num_seqs=1, max_model_len=40, step_cost_online=False))
+        eng = Engine(LocalRunner(model, 2, 40), Settings(max_num_seqs=1, max_model_len=40, step_cost_online=False,
+                                                         dspark_adaptive=False))
         eng.cost = StepCost(SPS)
         ev = eng.run_request(GenerateRequest(prompt=list(p), max_tokens=k, temperature=t, seed=s, ignore_eos=True))
         want.append([i for e in ev for i in e.token_ids])

@@ -112,7 +112,7 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
 
 def test_probe_gap_doubles_while_speculation_stays_aside_and_resets_when_drafting_pays(tiny_model):
     eng = _engine(tiny_model, probe_every=4, probe_max_every=16, dspark_adaptive=True)
-    eng.cost = flat_cost()
+    eng.cost = flat_cost(draft_s=0.0005)  # a probe costs 1/80 of a plain step: no floor on the gap
     rate = [0.0]
     eng._expected_survivals = lambda s: [rate[0]] * eng.gamma  # every draft rejected: drafting never pays
     decide = [eng._drafting_decision([object()]) for _ in range(60)]
@@ -124,6 +124,21 @@ def test_probe_gap_doubles_while_speculation_stays_aside_and_resets_when_draftin
     assert eng._drafting_decision([object()]) == "draft"
     rate[0] = 0.0
     assert [eng._drafting_decision([object()]) for _ in range(4)] == ["skip"] * 3 + ["probe"]
+
+
+@pytest.mark.parametrize("max_every,gaps", [(128, [100] * 5 + [128] * 2), (64, [64] * 7)])
+def test_probes_take_at_most_their_share_of_plain_decoding(tiny_model, max_every, gaps):
+    """Where a probe costs 3 plain steps (the compiled CPU path's draft round), stepping aside probes
+    no more often than every 3 / PROBE_SHARE = 100 steps (then the doubled gap, up to probe_max_every,
+    which also caps the floor): probing costs at most 3 % of plain decoding's time. Dropping the floor
+    (a probe every 4, 8, 16, ... steps) fails here."""
+    eng = _engine(tiny_model, probe_every=4, probe_max_every=max_every, dspark_adaptive=True)
+    eng.cost = flat_cost(fwd_s=0.010, draft_s=0.030)
+    assert eng.PROBE_SHARE == 0.03 and eng._probe_floor(1) == min(100, max_every)
+    eng._expected_survivals = lambda s: [0.0] * eng.gamma  # drafting never pays
+    decide = [eng._drafting_decision([object()]) for _ in range(sum(gaps))]
+    probes = [i for i, d in enumerate(decide) if d == "probe"]
+    assert [b - a for a, b in zip([-1] + probes, probes)] == gaps, probes
 
 
 def test_engine_keeps_drafting_where_drafts_are_accepted():

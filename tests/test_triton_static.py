@@ -107,6 +107,6 @@ def test_cancelling_frees_the_slot_and_metrics_report_the_static_path(server):
     assert m["v4flash:decode_graph_executions_per_step"] <= 2
     assert m["v4flash:decode_host_syncs_per_step"] == 0
     assert m["v4flash:static_fallback_steps"] == 0  # every decode step ran the round graphs
-    # dspark_adaptive is off here: every decode step drafted (none probed or stepped aside)
+    # spec_mode fixed (dspark_adaptive decides for spec_mode dspark only): every decode step drafted
     assert m["v4flash:decode_steps_by_kind[draft]"] == m["v4flash:decode_steps"]
     assert m["v4flash:decode_steps_by_kind[probe]"] == m["v4flash:decode_steps_by_kind[aside]"] == 0

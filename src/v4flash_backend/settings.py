@@ -181,11 +181,12 @@ class Settings:
         "present, else profiled and saved; empty: profile at start",
         scope="engine", path=True)
     dspark_adaptive: bool = setting(
-        False, "admit with the calibrated confidence head and the whole step's cost, and skip the draft "
+        True, "admit with the calibrated confidence head and the whole step's cost, and skip the draft "
         "stages where drafting does not pay (probing every probe_every steps); on eager steps and in the "
         "static rounds alike (same tokens for the same seed); a static server then also compiles the "
         "plain-decode graphs at start", scope="engine")
-    probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside",
+    probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside (at "
+                               "least enough that probes take <= 3 % of plain decoding's time, by the step cost)",
                                scope="engine", low=1)
     probe_max_every: int = setting(
         128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "

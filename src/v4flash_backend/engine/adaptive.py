@@ -7,6 +7,8 @@ engine's `cfg`, `gamma`, `spec` and `ensure_cost()`; its own state (`calib`, `ad
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .calibration import Calibration, OnlineCalibrator, regime
@@ -46,7 +48,7 @@ class AdaptivePolicy:
             self._probe_gap = self.settings.probe_every
             return "draft"
         self._skipped += 1
-        if self._skipped >= self._probe_gap:
+        if self._skipped >= max(self._probe_gap, self._probe_floor(len(seqs))):
             # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
@@ -56,6 +58,25 @@ class AdaptivePolicy:
             self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"
         return "skip"
+
+    # the share of plain decoding's time that probing may take while speculation steps aside
+    PROBE_SHARE = 0.03
+
+    def _probe_floor(self, R: int) -> int:
+        """The fewest steps aside between two probes for R requests, so that probing costs at most
+        PROBE_SHARE of plain decoding's time: a probe's extra seconds over a plain step (its draft
+        stages, then a step verifying one draft a request: t_step(2R, R, R) - t_step(R, R, 0)) over
+        PROBE_SHARE x the plain step; at most probe_max_every. Why: on the compiled CPU path a
+        drafting round costs ~3-4x a plain one (perf/bench_dspark.py --fast prints the profile):
+        probing every 16 steps, backing off to 128, cost a batch-8 server ~10 % where speculation
+        stays aside (0.87-0.90x plain; with the floor 0.95-0.96x). Eagerly, where the draft stages
+        cost about half a plain step, the floor is ~15 steps, below probe_every."""
+        cost = self.ensure_cost()
+        plain = float(cost.t_step(R, R, 0))
+        extra = float(cost.t_step(2 * R, R, R)) - plain
+        if not plain > 0 or not extra > 0:
+            return 0
+        return min(math.ceil(extra / (self.PROBE_SHARE * plain)), self.settings.probe_max_every)
 
     def _adaptive_plan(self, seqs: list[Seq], decision: str) -> dict:
         """The draft graph's admission inputs (static_round.draft_round), as `RoundPlan` fields

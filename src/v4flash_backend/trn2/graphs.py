@@ -45,7 +45,8 @@ def startup_graphs(settings, dspark: bool = True) -> int:
     variant (warm_processed) and the bare verify graph; per sequence bucket the draft round graph
     (and variant) when the checkpoint drafts; the plain-decode round graphs (and variants) when the
     server may step aside or does not draft; one prefill graph per row x context bucket. With the
-    defaults (8 sequences, 1024 tokens, 256-token chunks, DSpark): 12 + 12 + 12 + 4 + 4 + 15 = 59."""
+    defaults (8 sequences, 1024 tokens, 256-token chunks, DSpark, dspark_adaptive):
+    12 + 12 + 12 + 4 + 4 + 12 + 12 + 15 = 83."""
     variants = 2 if settings.warm_processed else 1
     decode = decode_buckets(settings.max_num_seqs, settings.max_model_len, 1)
     drafting = dspark and settings.spec_mode != "off"
