@@ -180,8 +180,10 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
 
     def serve(runner):
         # step_cost_online off: both engines decide on the given cost, not on their own step timings
+        # probe_max_every 3: a probe every 3 steps aside (it also caps the probes' cost floor, which at a
+        # draft of twice a forward would wait ~67 steps: no probe in these 12 tokens)
         eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3,
-                                      step_cost_online=False))
+                                      probe_max_every=3, step_cost_online=False))
         out = []
         # the first request with drafting at half a forward (pays at the untrained head's c = 0.5),
         # the second at twice a forward (does not: stepped aside, with probes); graph inputs only
