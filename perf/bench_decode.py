@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "perf"))
 
-from bench_dspark import default_checkpoint, load_prompts  # noqa: E402
+from bench_dspark import TTFT_PROMPT, default_checkpoint, fast_max_len, load_prompts, static_runner  # noqa: E402
 
 from v4flash_backend import ops  # noqa: E402
 from v4flash_backend.engine.dspark_sched import SPSTable  # noqa: E402
@@ -47,24 +47,17 @@ from v4flash_backend.engine.step_cost import StepCost  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner  # noqa: E402
-from v4flash_backend.trn2.static_step import Bucket  # noqa: E402
 
 # the step cost both paths admit with (pinned: a profiled or learned one would differ between the paths
 # and rounds, and so would admission and the tokens)
 COST = StepCost(SPSTable([1, 2, 4, 8, 16, 32, 48], [30.0, 29.5, 29.0, 27.0, 24.0, 18.0, 14.0]),
                 draft_seconds={1: 0.02, 8: 0.03})
-TTFT_PROMPT = 256
 
 
 def make_runners(model, batch: int, max_len: int, spec: str, backend: str) -> tuple[dict, float, int]:
     """{"base": LocalRunner, "fast": StaticRunner} for `batch` slots, and the fast path's compile seconds
     and graph count (one decode bucket: `batch` sequences, the runner's whole context)."""
-    G = model.cfg.dspark_block_size or 0
-    # count_host_syncs off, as make serve's CPU default builds it (group/build.py): the counting hook
-    # would slow the eager prefill (TTFT) by ~20 %
-    fast = StaticRunner(model, batch, max_len, buckets=[Bucket(batch, 1 + G, max_len)],
-                        settings=NeuronSettings(backend=backend), count_host_syncs=False)
+    fast = static_runner(model, batch, max_len, backend)
     t0 = time.perf_counter()
     # the graphs a server of this spec mode compiles (group/build.py): off is the verify round and the
     # plain-decode round, dspark adds the draft round
@@ -139,7 +132,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(1)
     long_prompt = [model.cfg.bos_token_id] + torch.randint(3, model.cfg.vocab_size - 2, (TTFT_PROMPT - 1,),
                                                            generator=g).tolist()
-    max_len = max(TTFT_PROMPT, max(len(p) for p in prompts) + args.max_tokens) + 16
+    max_len = fast_max_len(prompts, args.max_tokens)
     print(f"checkpoint {ckpt}; {what}; {args.rounds} interleaved rounds; max_tokens {args.max_tokens}; "
           f"fast path: static rounds, backend {args.fast_backend}", flush=True)
     for B in (int(b) for b in args.batches.split(",")):

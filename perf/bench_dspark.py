@@ -69,17 +69,31 @@ def default_checkpoint() -> Path:
     return tiny if (tiny / "config.json").exists() else REPO.parent / "shared" / "golden" / "v41-tiny"
 
 
-def fast_runner(model, batch: int, max_len: int, backend: str = "inductor"):
-    """(StaticRunner, compile seconds, graphs): `batch` sequences in one decode bucket of the runner's
-    whole context, every graph the bench's modes run compiled (or loaded from inductor's cache)."""
+TTFT_PROMPT = 256  # perf/bench_decode.py's TTFT prompt (tokens)
+
+
+def fast_max_len(prompts, max_tokens: int) -> int:
+    """The fast path's runner context (its one decode bucket's), the same in both benches, so each
+    loads the other's graphs from inductor's cache: the TTFT prompt or the longest request, + 16."""
+    return max(TTFT_PROMPT, max(len(p) for p in prompts) + max_tokens) + 16
+
+
+def static_runner(model, batch: int, max_len: int, backend: str):
+    """The fast path's StaticRunner (both benches): `batch` sequences in one decode bucket of the whole
+    context, host-sync counting off as make serve's CPU default builds it (group/build.py: the counting
+    hook would slow the eager prefill and drafting around the rounds by ~20 %)."""
     from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
     from v4flash_backend.trn2.static_step import Bucket
 
     G = model.cfg.dspark_block_size or 0
-    # count_host_syncs off, as make serve's CPU default builds it (group/build.py): the counting hook
-    # slows the eager prefill and drafting of the steps around the rounds
-    runner = StaticRunner(model, batch, max_len, buckets=[Bucket(batch, 1 + G, max_len)],
-                          settings=NeuronSettings(backend=backend), count_host_syncs=False)
+    return StaticRunner(model, batch, max_len, buckets=[Bucket(batch, 1 + G, max_len)],
+                        settings=NeuronSettings(backend=backend), count_host_syncs=False)
+
+
+def fast_runner(model, batch: int, max_len: int, backend: str = "inductor"):
+    """(StaticRunner, compile seconds, graphs): `static_runner` with every graph the bench's modes run
+    compiled (or loaded from inductor's cache)."""
+    runner = static_runner(model, batch, max_len, backend)
     t0 = time.perf_counter()
     for mode, fixed_len in (("dspark", 0), ("fixed", Settings().fixed_len)):
         runner.graphs.warm_up(None, mode=mode, fixed_len=fixed_len, stop_width=STOP_WIDTH, processed=False)
@@ -292,9 +306,7 @@ def main(argv=None) -> int:
           f"path={'fast (static rounds, inductor)' if args.fast else 'eager'}")
     runners, costs = {}, {}
     if args.fast:
-        # the bucket's context as perf/bench_decode.py's (256-token TTFT prompt + 16), so the two benches
-        # load each other's graphs from inductor's cache
-        max_len = max(256, max(len(p) for p in prompts) + args.max_tokens) + 16
+        max_len = fast_max_len(prompts, args.max_tokens)
         for b in batches:
             runners[b], secs, graphs = fast_runner(model, b, max_len)
             print(f"fast-compile: batch={b} graphs={graphs} seconds={secs:.1f}", flush=True)
@@ -310,16 +322,16 @@ def main(argv=None) -> int:
     final = None
     reference = None
     # the learner / guard of a mode live as long as the bench (a server's lifetime)
-    prof_fixed_len = Settings().fixed_len
-    prof_gamma = model.cfg.dspark_block_size or 0
-    learned = {m: (StepCostLearner(), FixedGuard(prof_fixed_len, prof_gamma)) for m in MODES + ("oracle",)}
+    G, F = model.cfg.dspark_block_size or 0, Settings().fixed_len
+    learners = lambda: {m: (StepCostLearner(), FixedGuard(F, G)) for m in MODES + ("oracle",)}  # noqa: E731
+    learned = learners()
     if args.oracle and 0.0 in temps:  # plain greedy outputs (exact numerics: independent of the batch)
         reference = [[] for _ in prompts]
         b = max(batches)
         run(model, "off", prompts, b, args.max_tokens, 0.0, costs[b], 0, outputs=reference, runner=runners.get(b))
     for b in batches:
         if args.fast:  # a server per batch (its own graphs and profile): its own learners too
-            learned = {m: (StepCostLearner(), FixedGuard(prof_fixed_len, prof_gamma)) for m in MODES + ("oracle",)}
+            learned = learners()
         for t in temps:
             modes = MODES + (("oracle",) if reference is not None and t == 0 else ())
             res = {m: [] for m in modes}

@@ -48,7 +48,8 @@ class AdaptivePolicy:
             self._probe_gap = self.settings.probe_every
             return "draft"
         self._skipped += 1
-        if self._skipped >= max(self._probe_gap, self._probe_floor(len(seqs))):
+        # (the floor is priced only once the gap is reached: most steps aside stop at the first test)
+        if self._skipped >= self._probe_gap and self._skipped >= self._probe_floor(len(seqs)):
             # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
