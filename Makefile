@@ -34,15 +34,24 @@ serve:
 # workers keep CI's two cores busy (the suite in ~15 min instead of ~23).
 TEST_WORKERS ?= 2
 
+# The third phase runs the numerics-sensitive tests again under a second GEMM summation order (MKL's
+# AVX2 path where that changes MKL's kernels, as on Intel CPUs, else a split-K order), after checking
+# that the order really changed (checks/gemm_probe.py --second-order prints it), so that the suite
+# holds on more than the one BLAS code path of the machine it runs on.
+GOLDEN := ../shared/golden/v41-tiny
+
 test: $(STAMP) $(TRITON_STAMP)
 	$(PY) -m pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -ra --durations=5 -m serial
+	order=$$($(PY) -m v4flash_backend.checks.gemm_probe $(GOLDEN) --second-order) && \
+	  echo "[make test] the numerics tests again under the second GEMM order: $$order" && \
+	  env $$order $(PY) -m pytest -q -ra --durations=5 -n $(TEST_WORKERS) --dist loadfile -m "numerics and not slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 golden: $(STAMP)
-	$(PY) -m v4flash_backend golden-check ../shared/golden/v41-tiny
+	$(PY) -m v4flash_backend golden-check $(GOLDEN)
 
 clean:
 	rm -rf $(VENV) .triton .pytest_cache
