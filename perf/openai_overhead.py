@@ -1,14 +1,16 @@
 """What the OpenAI frontend adds to latency: the same requests through Triton's own gRPC stream (the
-`v4flash` model, `v4flash_backend.client.generate`) and through the frontend's streamed
-/v1/completions (raw HTTP, SSE), side by side.
+`v4flash` model, tritonclient) and through the frontend's streamed /v1/completions (raw HTTP, SSE),
+side by side.
 
     .venv/bin/python perf/openai_overhead.py --start-server [--rounds 3] [--max-tokens 32]
     .venv/bin/python perf/openai_overhead.py --grpc-url 127.0.0.1:8001 --openai-url http://127.0.0.1:9000/v1
 
 Each round sends every prompt (perf/prompts_unseen_code.json: 16 code prompts) once each way, the
 two requests of a prompt back to back and their order alternating, at concurrency 1, greedy with
-ignore_eos, so both ways generate the same tokens. Per request: TTFT (send -> first token) and ITL
-((last token - first token) / (tokens - 1)), timed in this process for both. Per round the ratio of
+ignore_eos, so both ways generate the same tokens; each way keeps its connection open (a gRPC
+channel, an HTTP/1.1 keep-alive connection), so neither pays a connection set-up per request. Per
+request: TTFT (send -> first token) and ITL ((last token - first token) / (tokens - 1)), timed in
+this process for both. Per round the ratio of
 the OpenAI way's median to Triton's; the summary line is the median of the rounds' ratios (their
 spread on the line before it):
 
@@ -27,6 +29,7 @@ import argparse
 import http.client
 import json
 import os
+import queue
 import random
 import signal
 import socket
@@ -42,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from v4flash_backend.client import generate  # noqa: E402
+from v4flash_backend.client import build_inputs  # noqa: E402
 
 
 def _free_ports(n: int) -> list[int]:
@@ -87,51 +90,79 @@ def start_server(root: Path):
     return proc, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{openai_port}/v1"
 
 
-def via_triton(url: str, prompt: str, n: int) -> tuple[float, float, int]:
-    """(ttft_s, itl_s, tokens) of one request on Triton's gRPC stream."""
-    t0 = time.monotonic()
-    first = last = None
-    tokens = 0
-    for c in generate(prompt, url=url, model="v4flash", max_tokens=n, temperature=0.0, ignore_eos=True,
-                      exclude_input_in_output=True):
-        if c.num_output_tokens:
-            first = first if first is not None else c.time
-            last = c.time
-            tokens += c.num_output_tokens
-    return first - t0, (last - first) / max(1, tokens - 1), tokens
+class TritonWay:
+    """Requests on Triton's gRPC stream of the `v4flash` model (text_input, as the frontend sends it),
+    over one channel kept open (as the frontend keeps its own), timed here."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+
+    def __call__(self, prompt: str, n: int) -> tuple[float, float, int]:
+        """(ttft_s, itl_s, tokens) of one request."""
+        events: queue.Queue = queue.Queue()
+        inputs = build_inputs(prompt, stream=True, exclude_input_in_output=True,
+                              sampling_parameters={"max_tokens": n, "temperature": 0, "ignore_eos": True})
+        t0 = time.monotonic()
+        self.client.start_stream(callback=lambda result, error: events.put((result, error, time.monotonic())))
+        first = last = None
+        tokens = 0
+        try:
+            self.client.async_stream_infer("v4flash", inputs, enable_empty_final_response=True)
+            while True:
+                result, error, now = events.get(timeout=300)
+                if error is not None:
+                    sys.exit(f"triton: {error}")
+                response = result.get_response()
+                out = result.as_numpy("num_output_tokens")
+                if out is not None and int(out.reshape(-1)[0]):
+                    first = first if first is not None else now
+                    last = now
+                    tokens += int(out.reshape(-1)[0])
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            self.client.stop_stream()
+        return first - t0, (last - first) / max(1, tokens - 1), tokens
 
 
-def via_openai(base: str, key: str | None, prompt: str, n: int) -> tuple[float, float, int]:
-    """(ttft_s, itl_s, tokens) of one streamed /v1/completions request, read as raw SSE."""
-    u = urllib.parse.urlparse(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    body = json.dumps({"model": "v4flash", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}})
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    t0 = time.monotonic()
-    conn.request("POST", u.path.rstrip("/") + "/completions", body, headers)
-    resp = conn.getresponse()
-    if resp.status != 200:
-        sys.exit(f"/v1/completions answered {resp.status}: {resp.read()[:500]!r}")
-    first = last = None
-    tokens = 0
-    while True:
-        line = resp.readline()
-        if not line or line.startswith(b"data: [DONE]"):
-            break
-        if not line.startswith(b"data: "):
-            continue
-        now = time.monotonic()
-        ev = json.loads(line[6:])
-        if "error" in ev:
-            sys.exit(f"stream error: {ev['error']}")
-        if ev.get("choices") and ev["choices"][0]["text"]:
-            first = first if first is not None else now
-            last = now
-        if ev.get("usage"):
-            tokens = ev["usage"]["completion_tokens"]
-    conn.close()
-    return first - t0, (last - first) / max(1, tokens - 1), tokens
+class OpenAIWay:
+    """Streamed /v1/completions requests read as raw SSE, on one HTTP/1.1 connection kept alive."""
+
+    def __init__(self, base: str, key: str | None):
+        u = urllib.parse.urlparse(base)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+        self.path = u.path.rstrip("/") + "/completions"
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def __call__(self, prompt: str, n: int) -> tuple[float, float, int]:
+        body = json.dumps({"model": "v4flash", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        t0 = time.monotonic()
+        self.conn.request("POST", self.path, body, self.headers)
+        resp = self.conn.getresponse()
+        if resp.status != 200:
+            sys.exit(f"/v1/completions answered {resp.status}: {resp.read()[:500]!r}")
+        first = last = None
+        tokens = 0
+        while True:
+            line = resp.readline()
+            if not line or line.startswith(b"data: [DONE]"):
+                break
+            if not line.startswith(b"data: "):
+                continue
+            now = time.monotonic()
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                sys.exit(f"stream error: {ev['error']}")
+            if ev.get("choices") and ev["choices"][0]["text"]:
+                first = first if first is not None else now
+                last = now
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+        resp.read()  # the end of the chunked body: the connection is then free for the next request
+        return first - t0, (last - first) / max(1, tokens - 1), tokens
 
 
 def ratio_summary(rounds: list[dict]) -> tuple[float, float, str]:
@@ -155,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below (the server it started)
     prompts = json.loads(args.prompts.read_text())
     key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
     proc = tmp = None
@@ -163,9 +195,10 @@ def main(argv=None) -> int:
         proc, args.grpc_url, args.openai_url = start_server(Path(tmp.name))
         key = None
     try:
+        triton, openai_way = TritonWay(args.grpc_url), OpenAIWay(args.openai_url, key)
         for p in prompts[:2]:  # warm-up: first requests pay one-time costs on both sides
-            via_triton(args.grpc_url, p, 4)
-            via_openai(args.openai_url, key, p, 4)
+            triton(p, 4)
+            openai_way(p, 4)
         rng = random.Random(args.seed)
         rounds = []
         for r in range(args.rounds):
@@ -173,10 +206,9 @@ def main(argv=None) -> int:
             rng.shuffle(order)
             res = {k: [] for k in ("triton_ttft", "triton_itl", "openai_ttft", "openai_itl")}
             for j, k in enumerate(order):
-                ways = [("triton", lambda p: via_triton(args.grpc_url, p, args.max_tokens)),
-                        ("openai", lambda p: via_openai(args.openai_url, key, p, args.max_tokens))]
+                ways = [("triton", triton), ("openai", openai_way)]
                 for name, fn in (ways if (j + r) % 2 == 0 else ways[::-1]):
-                    ttft, itl, tokens = fn(prompts[k])
+                    ttft, itl, tokens = fn(prompts[k], args.max_tokens)
                     if tokens != args.max_tokens:
                         sys.exit(f"{name}: {tokens} tokens, expected {args.max_tokens} (ignore_eos)")
                     res[f"{name}_ttft"].append(ttft)
