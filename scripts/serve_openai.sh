@@ -51,6 +51,11 @@ start_frontend() {
     echo "[serve_openai] OpenAI API on http://${OPENAI_HOST:-127.0.0.1}:$port/v1 (pid $fe)" >&2
 }
 
+# a port already taken (another `make serve`?) would make the frontend die at every restart: say so now
+if (exec 3<>"/dev/tcp/${OPENAI_HOST:-127.0.0.1}/$port") 2>/dev/null; then
+    echo "[serve_openai] ${OPENAI_HOST:-127.0.0.1}:$port is already in use: set OPENAI_PORT to a free port (or off)" >&2
+    exit 1
+fi
 "$@" &
 server=$!
 start_frontend

@@ -1,6 +1,7 @@
 """scripts/serve_openai.sh without tritonserver (seconds): a stand-in server command beside the real
 frontend. The server's exit takes the frontend with it and is the script's exit code; a frontend
-that keeps dying (here: its port taken) stops the server too after OPENAI_MAX_RESTARTS restarts.
+that keeps dying (here: an API key file others can read) stops the server too after
+OPENAI_MAX_RESTARTS restarts; a taken port stops everything before it starts.
 With tritonserver: tests/test_openai_e2e.py (a killed frontend comes back; SIGTERM stops both)."""
 
 from __future__ import annotations
@@ -42,15 +43,27 @@ def test_the_servers_exit_stops_the_frontend_and_is_the_exit_code(tmp_path):
 
 
 def test_a_frontend_that_keeps_dying_stops_the_server(tmp_path):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
+    key = tmp_path / "key"  # readable by others: the frontend refuses it at every start
+    key.write_text("k" * 20)
+    key.chmod(0o644)
     marker = tmp_path / "server_pid"
-    try:
-        r, seconds = _run(f"echo $$ > {marker}; exec sleep 120", taken.getsockname()[1], OPENAI_MAX_RESTARTS="1")
-    finally:
-        taken.close()
+    r, seconds = _run(f"echo $$ > {marker}; exec sleep 120", free_ports(1)[0], OPENAI_MAX_RESTARTS="1",
+                      V4FLASH_OPENAI_KEY_FILE=str(key))
     assert r.returncode == 1 and seconds < 60, r.stderr
+    assert "is accessible to other users (mode 644): chmod 600 it" in r.stderr
     assert "restarting it in 1 s (restart 1 of at most 1)" in r.stderr
     assert "1 restart(s) already, stopping the server too" in r.stderr
     assert not _alive(int(marker.read_text()))
+
+
+def test_a_taken_port_stops_it_before_anything_starts(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    marker = tmp_path / "started"
+    try:
+        r, seconds = _run(f"touch {marker}; sleep 120", taken.getsockname()[1])
+    finally:
+        taken.close()
+    assert r.returncode == 1 and seconds < 10 and "is already in use" in r.stderr, r.stderr
+    assert not marker.exists()
