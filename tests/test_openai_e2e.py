@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -95,9 +96,14 @@ def stack(tmp_path_factory):
         assert _wait(lambda: _health(port) == 200, 60), log_path.read_text()[-3000:]
         yield dict(server, port=port, url=f"http://127.0.0.1:{port}/v1", proc=proc)
     finally:
-        stop(proc, 60)  # SIGTERM to serve_openai.sh: it stops both
+        # what Ctrl-C in a terminal does: SIGINT to the whole foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            stop(proc, 30)
     text = log_path.read_text()
-    assert "successfully unloaded 'v4flash'" in text, text[-3000:]
+    assert proc.returncode == 0 and "successfully unloaded 'v4flash'" in text, (proc.returncode, text[-3000:])
     assert _frontend_pids(port) == []
 
 
@@ -337,7 +343,7 @@ def test_a_full_server_answers_503(stack, client):
 
 def test_a_dead_frontend_is_started_again(stack, client):
     """serve_openai.sh restarts the frontend (tritonserver keeps running); the module's teardown
-    shows SIGTERM stopping both."""
+    shows Ctrl-C (SIGINT to the process group) stopping both."""
     [pid] = _frontend_pids(stack["port"])
     os.kill(pid, signal.SIGKILL)
     assert _wait(lambda: _frontend_pids(stack["port"]) not in ([], [pid]) and _health(stack["port"]) == 200, 30)
