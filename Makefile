@@ -25,7 +25,8 @@ $(TRITON_STAMP): $(STAMP) scripts/setup_triton.sh
 
 triton: $(TRITON_STAMP)
 
-# tritonserver on 127.0.0.1 (HTTP_PORT 8000, GRPC_PORT 8001, METRICS_PORT 8002) with model_repository/
+# tritonserver on 127.0.0.1 (HTTP_PORT 8000, GRPC_PORT 8001, METRICS_PORT 8002) with model_repository/,
+# and beside it the OpenAI-compatible API (OPENAI_PORT 9000; scripts/serve_openai.sh)
 serve:
 	bash scripts/serve.sh
 

@@ -726,7 +726,7 @@ def start_server(args, root: Path, ready_timeout_s: float = 300.0) -> subprocess
     extra = {"prefix_cache_bytes": str(args.prefix_budget), "prefill_chunk": "64"} if args.shared_prefix else None
     repo = build_repository(root, extra)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(args.http_port), GRPC_PORT=str(args.grpc_port),
-               METRICS_PORT=str(args.metrics_port))
+               METRICS_PORT=str(args.metrics_port), OPENAI_PORT="off")  # Triton's own protocols
     env.pop("V4FLASH_CHECKPOINT_DIR", None)
     env.setdefault("SERVE_MAX_RESTARTS", "0")  # a crash must show as one, not as a restarted server
     log = open(root / "tritonserver.log", "wb")
