@@ -7,7 +7,7 @@ step = compute + hbm + collectives + launch, each term printed with where its nu
   bound --ctx) run under the simulator with its engine-time ledger (`nki_sim._cost`: the NKI guides'
   clocks and per-instruction costs; a call = its busiest engine + 2 DMA latencies), plus the graphs'
   torch ops outside the kernels (one Vector instruction each). MEASURED here: perf/trn2_engine_time.json,
-  written by `python -m v4flash_backend.checks.engine_time` (2 min; --regen runs it);
+  written by `python -m v4flash_backend.checks.engine_time` (2-4 min; --regen runs it);
 - hbm: the bytes those kernels' DMAs move to and from HBM plus the glue's copies, at a rank's
   bandwidth (BORROWED: 2.9 TB/s per trn2 device over its 4 LNC=2 ranks), not overlapped with compute;
 - collectives: the step's collectives, MEASURED on the CPU step of the release structure
