@@ -36,6 +36,12 @@ Progress: a log line per warm set on stderr, and the runner's counters `warmup_d
 `warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total). A compile
 that fails is logged and ends the thread; what is not warm keeps serving eager steps (the server
 stays up).
+
+Stopping: `close()` (the rank's exit) ends the thread within a moment, mid-set: the profile hook raises
+`CompileStopped` at the thread's next Python or C call. A daemon thread still inside torch when the
+interpreter finalizes is killed by CPython 3.11 with pthread_exit, whose forced unwind through torch's
+C++ frames calls std::terminate: the rank died of SIGABRT ("terminate called without an active
+exception") and a clean shutdown of a server stopped while compiling read as a failed rank group.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ MAX_PAUSE_S = 1.0  # the longest the compile waits at once for a step (module do
 BURST_S = 0.05  # ... before it runs this long beside it
 SHARE = 0.25  # the compile's slice before each step, as a share of the last step's seconds
 MAX_SLICE_S = 0.1
+
+
+class CompileStopped(BaseException):
+    """Raised in the compile thread by its profile hook once `stop()` was called (a BaseException:
+    dynamo's and inductor's `except Exception` handlers must not swallow it)."""
 
 
 class StepGate:
@@ -128,14 +139,24 @@ class BackgroundWarmup:
         self.thread.start()
 
     def stop(self) -> None:
-        """Compile no further graph set (the one in progress finishes)."""
+        """Compile no further: the set in progress is abandoned at the thread's next call."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop and wait for the thread to end (before the process exits: module docstring); False
+        when it is still running after `timeout` (inside one long C call)."""
+        self.stop()
+        return self.thread is None or self.wait(timeout)
+
     def _pause(self, frame, event, arg) -> None:
-        """The compile thread's profile hook: wait while the engine runs a step (module docstring)."""
+        """The compile thread's profile hook: wait while the engine runs a step (module docstring);
+        raise CompileStopped once stopped."""
+        if self._stop.is_set():
+            sys.setprofile(None)  # once: the handlers the exception unwinds through run unhooked
+            raise CompileStopped
         g = self._gate
         if not g.serving or (self._burst_end and time.monotonic() < self._burst_end):
             return
@@ -163,6 +184,8 @@ class BackgroundWarmup:
                              f"{time.monotonic() - self.t0:.0f} s since start)")
             r.ready = None  # every set: the profile may now time the rounds (Engine.prior_cost)
             self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
+        except CompileStopped:
+            self.log(f"background compile stopped ({r.counters['warmup_done']} of {len(self.jobs)} sets warm)")
         except BaseException as e:  # noqa: BLE001 - a failed compile must not take the server down
             self.error = e
             self.log(f"background compile failed ({type(e).__name__}: {e}); what is not warm keeps "
