@@ -65,11 +65,25 @@ class CompileStopped(BaseException):
     dynamo's and inductor's `except Exception` handlers must not swallow it)."""
 
 
+def _rss_bytes() -> int:
+    """This process's resident set (/proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class StepGate:
     """The runner's exec_lock: what the engine holds for a whole step (and its profile). It holds
     the graph lock (no compiled graph runs beside the step) and tells a background compile to pause
     (`serving`, `idle`); before a step it yields the compile a slice while one runs (`share`). Only
-    the engine's thread enters it (re-entrant: the profile runs inside a step)."""
+    the engine's thread enters it (re-entrant: the profile runs inside a step).
+
+    While a compile runs it also tells the compile's memory from the serving's: the compile pauses
+    while a step runs, so resident memory that grew between steps is counted as the compile's
+    (`compile_rss_bytes`: dynamo's and inductor's state and the graphs they made, bounded by the
+    graph sets) and what grew during steps as the serving's (perf/soak.py reports them apart)."""
 
     def __init__(self, lock):
         self.lock = lock
@@ -80,6 +94,23 @@ class StepGate:
         self.share = 0.0  # SHARE while a background compile runs
         self.last_step_s = 0.0
         self._t0 = 0.0
+        self._compile_rss = 0  # resident bytes that grew between steps while compiling
+        self._rss_mark: int | None = None  # the resident set at the last step's end (compiling)
+
+    def compiling(self, on: bool) -> None:
+        """A background compile starts (the slice and the memory count begin) or ends."""
+        if on:
+            self.share, self._rss_mark = SHARE, _rss_bytes()
+        else:
+            self._compile_rss = self.compile_rss_bytes()
+            self.share, self._rss_mark = 0.0, None
+
+    def compile_rss_bytes(self) -> int:
+        """Resident memory the background compile added so far (class docstring)."""
+        mark = self._rss_mark
+        if mark is None or self.serving:
+            return self._compile_rss
+        return self._compile_rss + max(0, _rss_bytes() - mark)
 
     def __enter__(self):
         if self.depth == 0 and self.share and self.last_step_s:
@@ -87,6 +118,8 @@ class StepGate:
         self.lock.acquire()
         self.depth += 1
         if self.depth == 1:
+            if self._rss_mark is not None:
+                self._compile_rss = self.compile_rss_bytes()
             self.idle.clear()
             self.serving = True
             self._t0 = time.perf_counter()
@@ -96,6 +129,8 @@ class StepGate:
         self.depth -= 1
         if self.depth == 0:
             self.last_step_s = time.perf_counter() - self._t0
+            if self._rss_mark is not None:
+                self._rss_mark = _rss_bytes()
             self.serving = False
             self.idle.set()
         self.lock.release()
@@ -134,7 +169,7 @@ class BackgroundWarmup:
         self.t0 = time.monotonic()
         self._burst_end = 0.0
         self._gate = r.exec_lock  # read by the hook on every call of the compile thread
-        self._gate.share = SHARE
+        self._gate.compiling(True)
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
@@ -192,7 +227,7 @@ class BackgroundWarmup:
                      "serving eager steps")
         finally:
             sys.setprofile(None)
-            r.exec_lock.share = 0.0
+            r.exec_lock.compiling(False)
             self.done.set()
 
     def _warm(self, job: tuple) -> None:
