@@ -40,9 +40,11 @@ first fifth), so startup allocation does not count. The growth is split by cause
 same windows, from the server's own gauges: compile (v4flash:warmup_rss_bytes, what grew while the
 CPU default's background compile ran: by design, bounded by its graph sets), the
 prefix cache (v4flash:prefix_cache_bytes: by design, bounded by prefix_cache_bytes) and the
-rest, which must stay under 50 MiB. With --kill-worker the samples from 5 s after
-the recovery on (one rank group's life) are used: across the kill the two windows held two
-different groups, whose RSS differed by -46 to +132 MiB from run to run (6 runs), no leak.
+rest, which must stay under 50 MiB. The compile's share is what grew while its thread ran, freed
+or not, so the rest can read below zero: the group grew less than its compile allocated. With
+--kill-worker the samples from 5 s after the recovery on (one rank group's life) are used:
+across the kill the two windows held two different groups, whose RSS differed by -46 to +132 MiB
+from run to run (6 runs), no leak.
 The last line is exactly
 
   soak: seconds=<s> requests=<n> errors_unexpected=<e> lost=<l> leaked_slots=<k> rss_growth_mib=<m>
