@@ -85,7 +85,11 @@ class StaticRoundStep:
                     s.counted = s.n_out
 
     def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> RoundPlan:
-        """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round)."""
+        """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round). A round that
+        steps aside is a plain round: spec mode off, and neither the SPS table nor dspark_adaptive's
+        admission inputs (only the draft graph reads them), so the host builds what plain decoding
+        builds."""
+        dspark = dspark and decision != "skip"
         L = self.settings.max_model_len
         stops = self._stop_lists(seqs)
         kw = dict(
