@@ -189,7 +189,7 @@ class Settings:
                                "least enough that probes take <= 3 % of plain decoding's time, by the step cost)",
                                scope="engine", low=1)
     probe_max_every: int = setting(
-        128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
+        256, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
         "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
         scope="engine", low=1)
     step_cost_online: bool = setting(

@@ -55,7 +55,9 @@ class AdaptivePolicy:
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
             # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
-            # still seen within probe_max_every steps
+            # still seen within probe_max_every steps. On the compiled path a probe costs ~2.4 plain
+            # rounds (perf/round_profile.py): backing off to 128 kept ~2 % of a stepped-aside server's
+            # time in probes, against the ~1 % of 256 (the default)
             self._skipped = 0
             self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"

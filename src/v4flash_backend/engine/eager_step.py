@@ -16,7 +16,7 @@ from .seq import KIND_OF, Seq
 
 
 class EagerStep:
-    def _step_eager(self) -> None:
+    def _step_eager(self, decision: str | None = None) -> None:
         tokens, spec, rows, decode, prefill = self._eager_batch()
         # stepping aside is decided before the forward, from past acceptances only (the requests that
         # draft after this step: the decoding ones and those whose prefill completes now); a step that
@@ -26,7 +26,8 @@ class EagerStep:
         # fill them)
         drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
                                                                      if s.n_cached + n == len(s.req.prompt)]
-        decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
+        if decision is None:  # (a decode-only step's, taken before: Engine._run_step)
+            decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
         self._kind = KIND_OF[decision]
         self._explore = self._guard_explores(decision)
         want_taps = self.spec and decision != "skip"
