@@ -317,3 +317,37 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
         s.ell = 0  # (no drafts left to verify: the round is a plain one)
     eng.step()
     assert asked == [False, True]
+
+
+def test_an_idle_compile_thread_takes_no_slice_from_the_steps(tiny_model, monkeypatch):
+    """Once every known set is warm the thread only waits for a `want`: the gate must then sleep no
+    slice before a step (SHARE of the last step: 25 % of a warm server's time, before) and count no
+    memory as the compile's; a wanted set turns both back on while it compiles, and off after."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.warmup import SHARE, BackgroundWarmup
+
+    release = threading.Event()
+    inside = threading.Event()
+
+    def stub_set(self, job):  # the announced sets: at once; a wanted prefill bucket: until released
+        if job[0] == "prefill":
+            inside.set()
+            assert release.wait(30)
+
+    monkeypatch.setattr(BackgroundWarmup, "_warm", stub_set)
+    r = StaticRunner(tiny_model, 1, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    r.graphs.primed = True  # (no prime round: the sets are stubs)
+    w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True, log=lambda m: None)
+    gate = r.exec_lock
+    try:
+        w.start()
+        assert w.wait(30) and w.thread.is_alive() and w.announced_warm  # (the gate is told before `done`)
+        assert gate.share == 0.0 and gate._rss_mark is None
+        w.want(("prefill", r.pgraphs.buckets[0]))
+        assert inside.wait(30) and gate.share == SHARE and gate._rss_mark is not None
+        release.set()
+        assert w.wait(30) and ("prefill", r.pgraphs.buckets[0]) in r.ready
+        assert gate.share == 0.0 and gate._rss_mark is None and w.thread.is_alive()
+    finally:
+        release.set()
+        assert w.close(timeout=5.0) and not w.thread.is_alive()

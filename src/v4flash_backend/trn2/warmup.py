@@ -38,7 +38,8 @@ One rank only: on several ranks each graph is a collective and both threads woul
 Progress: a log line per warm set on stderr, and the runner's counters `warmup_done` /
 `warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total; a set wanted
 by traffic adds to the total). A compile that fails is logged and ends the thread; what is not warm
-keeps serving eager steps (the server stays up).
+keeps serving eager steps (the server stays up). While no set is queued the thread waits for a `want`
+and the gate is told the compile is off (no slice before steps, no memory counted as the compile's).
 
 Stopping: `close()` (the rank's exit) ends the thread within a moment, mid-set: the profile hook raises
 `CompileStopped` at the thread's next Python or C call. A daemon thread still inside torch when the
@@ -245,11 +246,19 @@ class BackgroundWarmup:
     def _next(self):
         """The next set to compile; None: stop. With nothing queued the thread waits for a `want`."""
         with self._cv:
-            while not self._queue and not self._stop.is_set():
+            if not self._queue and not self._stop.is_set():
+                # idle: no compile to pause, no slice before each step, no memory counted as the compile's
+                sys.setprofile(None)
+                self._gate.compiling(False)
                 if not self.done.is_set():
                     self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
                     self.done.set()
-                self._cv.wait(1.0)
+                while not self._queue and not self._stop.is_set():
+                    self._cv.wait(1.0)
+                if self._stop.is_set():
+                    return None
+                self._gate.compiling(True)
+                sys.setprofile(self._pause)
             if self._stop.is_set():
                 return None
             self._current = self._queue.popleft()
