@@ -72,8 +72,9 @@ _cache64 = _DequantCache()  # fp64 copies of weights ('exact' numerics: `_f64`)
 # Which weights 'exact' numerics keep an fp64 copy of, rather than converting them in every call:
 # 'none'; 'f32' (the fp32 ones: the LM head, the Markov and confidence heads, the compressors, the mHC
 # projections); 'all' (also the dequantized fp8 / fp4 ones, expert stacks included). The same fp64
-# operands either way (the conversion is exact), so the same bits.
-F64_WEIGHTS = os.environ.get("V4FLASH_F64_WEIGHTS", "f32")
+# operands either way (the conversion is exact), so the same bits. Default 'none' (no copies, as before):
+# 'f32' has not measured faster beyond the noise of a shared 2-core machine (perf/round_profile.py).
+F64_WEIGHTS = os.environ.get("V4FLASH_F64_WEIGHTS", "none")
 
 
 def _f64(w: torch.Tensor, kind: str = "f32", make=None) -> torch.Tensor:
