@@ -93,6 +93,7 @@ def _until(cond, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # 135-145 s on 2 shared cores (eager steps, the eager step-cost profile)
 def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_ckpt, monkeypatch, tmp_path):
     import os
 
