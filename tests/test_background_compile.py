@@ -93,6 +93,7 @@ def _until(cond, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # 135-145 s on 2 shared cores (eager steps, the eager step-cost profile)
 def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_ckpt, monkeypatch, tmp_path):
     import os
 
@@ -106,6 +107,13 @@ def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_c
         assert permits.acquire(timeout=120)
         return warm(self, job)
 
+    def compile_until(cond):  # one set at a time, in the order the queue (and the traffic) puts them
+        while not cond():
+            n = runner.counters["warmup_done"]
+            permits.release()
+            _until(lambda: runner.counters["warmup_done"] > n or w.error is not None, timeout=900)
+            assert w.error is None, w.error
+
     monkeypatch.setattr(BackgroundWarmup, "_warm", gated)
     common = dict(checkpoint_dir=str(small_ckpt), max_num_seqs=1, max_model_len=48, prefill_chunk=16,
                   spec_mode="dspark")
@@ -116,9 +124,9 @@ def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_c
     runner = engine.runner
     w = runner.warming
     assert w is not None and w.thread.is_alive() and not runner.graphs_ready
-    # one decode bucket: its plain rounds, its logit-processing rounds, its forward graph; one prefill bucket
-    assert [j[0] for j in w.jobs] == ["round", "round", "forward", "prefill"] and w.jobs[0][2] is False
-    assert runner.ready == set() and runner.counters["warmup_total"] == 4
+    # announced: the one decode bucket's plain-decode round (one graph), then its drafting round (two)
+    assert [j[0] for j in w.jobs] == ["plain", "round"] and w.jobs[0][2] is False and w.jobs[1][2] is False
+    assert runner.ready == set() and runner.counters["warmup_total"] == 2
     prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8], [0, 3, 3, 8], [0, 7, 1])
     got = [_run(engine, prompts[0], 12)]
     assert got[0][1:] == (0, got[0][2]) and got[0][2] > 0  # nothing warm: eager decode steps only
@@ -126,25 +134,27 @@ def test_background_compile_serves_eager_steps_until_a_graph_set_is_warm(small_c
     # saved as the eager path's profile (a restart loads it), not as the rounds' one
     assert os.path.exists(eager_sps) and not os.path.exists(settings.sps_file)
     eager_cost = engine.cost
-    permits.release()  # the plain rounds
-    _until(lambda: runner.counters["warmup_done"] == 1)
+    # the request's steps wanted what they lacked: its prefill's forward graph joined the sets (traffic)
+    assert ("forward", runner.buckets[0]) in w.jobs and runner.counters["warmup_total"] == len(w.jobs) >= 3
+    compile_until(lambda: w.announced_warm)  # the rounds (and what traffic put before them)
+    assert runner.graphs_ready
     got.append(_run(engine, prompts[1], 12))
     assert got[1][1] > 0 and got[1][2] == 0  # plain requests: static rounds
-    got.append(_run(engine, prompts[2], 12, logprobs=0))
-    assert got[2][1] == 0 and got[2][2] > 0  # log-probs need the processed rounds: not warm yet, eager
-    assert engine._cost_provisional
-    for _ in range(3):
-        permits.release()
-    assert w.wait(300) and w.error is None, w.error
-    assert runner.graphs_ready and runner.counters["warmup_done"] == 4
-    got.append(_run(engine, prompts[3], 12, logprobs=0))
-    assert got[3][1] > 0 and got[3][2] == 0  # now static rounds too
     assert not engine._cost_provisional and engine.cost is not eager_cost  # profiled again, on the rounds
     assert os.path.exists(settings.sps_file)
+    got.append(_run(engine, prompts[2], 12, logprobs=0))
+    assert got[2][1] == 0 and got[2][2] > 0  # log-probs need the processed rounds: wanted now, eager meanwhile
+    assert any(j[0] in ("plain", "round") and j[2] for j in w.jobs)
+    compile_until(lambda: w.done.is_set())
+    sets = len(w.jobs)
+    got.append(_run(engine, prompts[3], 12, logprobs=0))
+    assert got[3][1] > 0  # now static rounds too (an eager step only for a set not wanted before: asked for now)
+    assert got[3][2] == 0 or (len(w.jobs) > sets and ("plain", runner.buckets[0], True) in w.jobs)
     # the eager engine's tokens for every request
     ref = build_engine(Settings(decode_graph="eager", **common), progress=None)  # (no state dir: profiles anew)
     for p, g, kw in zip(prompts, got, ({}, {}, {"logprobs": 0}, {"logprobs": 0})):
         assert len(g[0]) == 12 and g[0] == _run(ref, p, 12, **kw)[0]
+    w.stop()
 
 
 @pytest.mark.slow
@@ -172,7 +182,8 @@ def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_c
     group = RankGroup.launch(s)
     try:
         st = group.stats()["engine"]
-        assert st["decode_graph"] == "static" and st["warmup_total"] == 4 and st["warmup_done"] < 4
+        # announced: the bucket's plain-decode round and drafting round (the rest as traffic needs them)
+        assert st["decode_graph"] == "static" and st["warmup_total"] == 2 and st["warmup_done"] < 2
         res = group.submit(prompts[0], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
         assert res["error"] is None and res["token_ids"] == want[0]
         st = group.stats()["engine"]
@@ -181,7 +192,7 @@ def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_c
         while st["warmup_done"] < st["warmup_total"] and time.monotonic() < deadline:
             time.sleep(1.0)
             st = group.stats()["engine"]
-        assert st["warmup_done"] == st["warmup_total"] == 4
+        assert st["warmup_done"] == st["warmup_total"] >= 3  # + the forward graph its prefill step wanted
         before = (st["static_steps"], st["static_fallback_steps"])
         res = group.submit(prompts[1], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
         assert res["error"] is None and res["token_ids"] == want[1]
@@ -258,3 +269,86 @@ def test_without_a_cpp_compiler_the_cpu_default_serves_eager_steps_and_says_why(
     assert engine.runner.warming is None and not engine.runner.graphs_ready
     ids, static, eager = _run(engine, [0, 5, 6, 7], 6)
     assert len(ids) == 6 and static == 0 and eager > 0 and not engine.runner.graphs.stats.graphs
+
+
+def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_wants(tiny_model):
+    """Announced: per decode bucket (one context bound each) the plain-decode round, then the drafting
+    round, smallest first; a set a step waits for jumps the queue, one nobody announced joins it (the
+    total grows), and a logit-processing variant a server without warm_processed never runs is left out.
+    The engine asks for the plain-decode set on a round that steps aside and for the drafting set on a
+    round that drafts: the same decision the round then takes (deciding after picking the set, or on
+    other facts, fails here)."""
+    from v4flash_backend.engine.dspark_sched import SPSTable
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.engine.step_cost import StepCost
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup
+
+    r = StaticRunner(tiny_model, 4, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    assert [(b.seqs, b.ctx) for b in r.buckets] == [(1, 96), (2, 96), (4, 96)]
+    assert [(b.rows, b.ctx) for b in r.pgraphs.buckets] == [(16, 96), (32, 96)]
+    w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
+    b1, b2, b4 = r.buckets
+    assert w.jobs == [("plain", b1, False), ("round", b1, False), ("plain", b2, False), ("round", b2, False),
+                      ("plain", b4, False), ("round", b4, False)]
+    r.ready, r.warming = set(), w  # (not started: the queue alone)
+    r.counters["warmup_total"] = len(w.jobs)
+    assert not r.round_fits(2, 10, plain=False) and list(w._queue)[0] == ("round", b2, False)
+    assert not r.round_fits(1, 10, plain=True) and list(w._queue)[:2] == [("plain", b1, False), ("round", b2, False)]
+    w.want(("prefill", r.pgraphs.buckets[0]))
+    assert list(w._queue)[0] == ("prefill", r.pgraphs.buckets[0]) and r.counters["warmup_total"] == 7
+    assert not r.round_fits(1, 10, processed=True) and r.counters["warmup_total"] == 7  # no processed variant here
+    r.ready.add(("plain", b1, False))
+    assert r.round_fits(1, 10, plain=True) and not r.round_fits(1, 10, plain=False) and not r.graphs_ready
+
+    # the engine's side: which set each round asks for
+    asked = []
+    r.round_fits = lambda seqs, ctx, processed=False, plain=False: asked.append(plain) or False
+    eng = Engine(r, Settings(max_num_seqs=4, max_model_len=90, spec_mode="dspark", dspark_adaptive=True,
+                             step_cost_online=False, prefix_cache_bytes=0))
+    eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 0.010, 2: 0.015})
+    rate = [1.0]
+    eng._expected_survivals = lambda s: [rate[0]] * eng.gamma
+    eng.submit(GenerateRequest(prompt=[0, 5, 6, 7], max_tokens=8, ignore_eos=True))
+    eng.step()  # the prefill (eager) drafts a block: drafting pays
+    eng.step()
+    assert asked == [False]  # drafting: the drafting round's set
+    rate[0] = 0.0  # now it does not pay: the step steps aside
+    for s in eng.running:
+        s.ell = 0  # (no drafts left to verify: the round is a plain one)
+    eng.step()
+    assert asked == [False, True]
+
+
+def test_an_idle_compile_thread_takes_no_slice_from_the_steps(tiny_model, monkeypatch):
+    """Once every known set is warm the thread only waits for a `want`: the gate must then sleep no
+    slice before a step (SHARE of the last step: 25 % of a warm server's time, before) and count no
+    memory as the compile's; a wanted set turns both back on while it compiles, and off after."""
+    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.warmup import SHARE, BackgroundWarmup
+
+    release = threading.Event()
+    inside = threading.Event()
+
+    def stub_set(self, job):  # the announced sets: at once; a wanted prefill bucket: until released
+        if job[0] == "prefill":
+            inside.set()
+            assert release.wait(30)
+
+    monkeypatch.setattr(BackgroundWarmup, "_warm", stub_set)
+    r = StaticRunner(tiny_model, 1, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    r.graphs.primed = True  # (no prime round: the sets are stubs)
+    w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True, log=lambda m: None)
+    gate = r.exec_lock
+    try:
+        w.start()
+        assert w.wait(30) and w.thread.is_alive() and w.announced_warm  # (the gate is told before `done`)
+        assert gate.share == 0.0 and gate._rss_mark is None
+        w.want(("prefill", r.pgraphs.buckets[0]))
+        assert inside.wait(30) and gate.share == SHARE and gate._rss_mark is not None
+        release.set()
+        assert w.wait(30) and ("prefill", r.pgraphs.buckets[0]) in r.ready
+        assert gate.share == 0.0 and gate._rss_mark is None and w.thread.is_alive()
+    finally:
+        release.set()
+        assert w.close(timeout=5.0) and not w.thread.is_alive()

@@ -76,3 +76,21 @@ def test_sinkhorn_under_torch_compile_keeps_the_torch_loop():
     got = compiled(m, scale, base, 4, 20, 1e-6)
     want = torch_ops._split_sinkhorn(m, scale, base, 4, 20, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kept", ["f32", "all"])
+def test_fp64_weight_copies_give_the_same_bits(monkeypatch, kept):
+    """V4FLASH_F64_WEIGHTS keeps fp64 copies of weights under exact numerics instead of converting
+    them per call: the conversion is exact, so the outputs must equal the uncached ones bit for bit
+    (tolerance 0), for two weights of one shape (a copy served for the wrong weight fails) and on a
+    second call (the cached copy)."""
+    ops.set_numerics("exact")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    ws = [torch.randn(32, 64, generator=g) for _ in range(2)]
+    monkeypatch.setattr(torch_ops, "F64_WEIGHTS", "none")
+    want = [torch_ops.linear_f32(x, w) for w in ws]
+    monkeypatch.setattr(torch_ops, "F64_WEIGHTS", kept)
+    for _ in range(2):
+        got = [torch_ops.linear_f32(x, w) for w in ws]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

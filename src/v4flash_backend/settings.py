@@ -131,8 +131,9 @@ class Settings:
     graph_warmup: str = setting(
         "", "when a static server compiles its graphs: start (every bucket before it reports ready) or "
         "background (ready at once: eager steps serve while a thread compiles graph sets that take over as "
-        "they get warm -- every bucket's plain rounds, smallest first, then the logit-processing rounds, "
-        "the forward and prefill graphs; one rank only); empty: background on a one-rank CPU server whose "
+        "they get warm -- per decode bucket, smallest first, its plain-decode round, then its drafting "
+        "round; logit-processing rounds, forward and prefill graphs when a step first needs them; one rank "
+        "only); empty: background on a one-rank CPU server whose "
         "graph_backend compiles, else start", scope="group",
         choices=GRAPH_WARMUPS)
     resident_device: str = setting(
@@ -189,7 +190,7 @@ class Settings:
                                "least enough that probes take <= 3 % of plain decoding's time, by the step cost)",
                                scope="engine", low=1)
     probe_max_every: int = setting(
-        128, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
+        256, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
         "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
         scope="engine", low=1)
     step_cost_online: bool = setting(

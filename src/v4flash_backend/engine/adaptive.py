@@ -31,6 +31,7 @@ class AdaptivePolicy:
         self._skipped = 0  # consecutive steps whose drafts stepped aside
         self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
         self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
+        self._pays_memo = None  # ((cost, survivals), verdict) of the last `_pays`
 
     def _load_calibration(self) -> Calibration:
         if self.settings.calibration_path:
@@ -43,7 +44,7 @@ class AdaptivePolicy:
         if self.settings.spec_mode != "dspark" or not self.adaptive:
             return "draft"
         surv = [self._expected_survivals(s) for s in seqs]
-        if drafting_pays(self.ensure_cost(), surv)[0]:
+        if self._pays(self.ensure_cost(), surv):
             self._skipped = 0
             self._probe_gap = self.settings.probe_every
             return "draft"
@@ -54,11 +55,24 @@ class AdaptivePolicy:
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
             # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
-            # still seen within probe_max_every steps
+            # still seen within probe_max_every steps. On the compiled path a probe costs ~2.4 plain
+            # rounds (perf/round_profile.py): backing off to 128 kept ~2 % of a stepped-aside server's
+            # time in probes, against the ~1 % of 256 (the default)
             self._skipped = 0
             self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"
         return "skip"
+
+    def _pays(self, cost, surv: list[list[float]]) -> bool:
+        """`drafting_pays`, memoized on its inputs: while speculation steps aside they stay the same
+        from step to step (the learned cost is one object until the learner refreshes, the survivals
+        move only with new evidence), and its dozen step-cost lookups were a third of the host work
+        a stepped-aside round added to a plain one (~35 of ~100 us a step, batch 1)."""
+        key = (cost, surv)
+        memo = self._pays_memo
+        if memo is None or memo[0][0] is not cost or memo[0][1] != surv:
+            memo = self._pays_memo = (key, drafting_pays(cost, surv)[0])
+        return memo[1]
 
     # the share of plain decoding's time that probing may take while speculation steps aside
     PROBE_SHARE = 0.03

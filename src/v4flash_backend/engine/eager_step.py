@@ -16,18 +16,21 @@ from .seq import KIND_OF, Seq
 
 
 class EagerStep:
-    def _step_eager(self) -> None:
+    def _step_eager(self, decision: str | None = None) -> None:
         tokens, spec, rows, decode, prefill = self._eager_batch()
         # stepping aside is decided before the forward, from past acceptances only (the requests that
         # draft after this step: the decoding ones and those whose prefill completes now); a step that
-        # steps aside computes no taps and writes no ring rows for its decode rows, so it costs what
-        # plain decoding costs (prefill rows still fill the rings: a new request's context)
+        # steps aside computes no taps and writes no ring rows, its prefill rows' neither, so it costs
+        # what plain decoding costs (the rings miss those positions: a later draft sees older context
+        # there, lossless; a prompt's first 256-token chunks, which no request drafts after, still
+        # fill them)
         drafting = [s for s in self.running if not s.prefilling] + [s for s, o, n in prefill
                                                                      if s.n_cached + n == len(s.req.prompt)]
-        decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
+        if decision is None:  # (a decode-only step's, taken before: Engine._run_step)
+            decision = self._drafting_decision(drafting) if self.spec and drafting else "draft"
         self._kind = KIND_OF[decision]
         self._explore = self._guard_explores(decision)
-        want_taps = self.spec and (decision != "skip" or bool(prefill))
+        want_taps = self.spec and decision != "skip"
         out = self.runner.forward(torch.tensor(tokens, dtype=torch.long), spec, torch.tensor(rows, dtype=torch.long),
                                   want_taps)
         self.totals["steps"] += 1
@@ -35,7 +38,7 @@ class EagerStep:
         writes, draft_seqs = [], []
         if decode:
             self._verify_decode_rows(out, logits_at, decode, decision, writes, draft_seqs)
-        self._prefill_chunks(out, logits_at, prefill, writes, draft_seqs)
+        self._prefill_chunks(out, logits_at, prefill, None if self.spec and not want_taps else writes, draft_seqs)
         self._retire_finished()
         if self.spec:
             self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs, decision)
@@ -98,11 +101,15 @@ class EagerStep:
             if not self._done(s):
                 draft_seqs.append(s)
 
-    def _prefill_chunks(self, out, logits_at: dict, prefill: list, writes: list, draft_seqs: list) -> None:
-        """The prefill chunks' ring writes; a request whose prompt is now cached samples its first token."""
+    def _prefill_chunks(self, out, logits_at: dict, prefill: list, writes: list | None, draft_seqs: list) -> None:
+        """The prefill chunks' ring writes (into `writes`; None: none, a step that steps aside); a request
+        whose prompt is now cached samples its first token."""
         first = []
         for s, o, n in prefill:
-            writes.append((s.slot, torch.arange(o, o + n), torch.arange(s.n_cached, s.n_cached + n)))
+            if writes is not None:
+                writes.append((s.slot, torch.arange(o, o + n), torch.arange(s.n_cached, s.n_cached + n)))
+            else:
+                self.totals["ring_rows_skipped"] += n
             s.n_cached += n
             if not s.prefilling:
                 first.append((s, logits_at[o + n - 1]))

@@ -89,6 +89,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self.guard = (FixedGuard(self.settings.fixed_len, self.gamma)
                       if self.spec and self.settings.step_cost_online else None)
         self._explore = False  # the step in progress drafts a fixed length for the guard (fixed_guard)
+        self._ran_static = False  # the last step ran as a static round (the learner's path)
         self._step_blocks: list = []  # the step's verified blocks that admission chose (the guard's input)
         self._init_stats()
         self._kind = "draft"  # the decision of the step in progress
@@ -271,13 +272,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if not timed:
             return self._run_step()
         B, S, drafted0 = sum(1 + s.ell for s in self.running), len(self.running), self.totals["drafted"]
-        static, sampled = self._static_ok(), self._sampled_step()
+        sampled = self._sampled_step()
         self._step_blocks = []
         t0 = self.clock()
         self._run_step()
         seconds = self.clock() - t0
-        self._learn_step("static" if static else "eager", B, S, (self.totals["drafted"] - drafted0) // self.gamma,
-                         seconds, sampled)
+        self._learn_step("static" if self._ran_static else "eager", B, S,
+                         (self.totals["drafted"] - drafted0) // self.gamma, seconds, sampled)
 
     def _learn_step(self, path: str, B: int, S: int, R: int, seconds: float, sampled: bool = False) -> None:
         """The guard first (the step's blocks against fixed-length drafting, priced by the learned cost
@@ -297,8 +298,15 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self.learner.observe(path, B, S, R, seconds, prior, sampled)
 
     def _run_step(self) -> None:
-        if self._static_ok():
-            return self._step_static()
+        # a decode-only step decides first whether it drafts (from earlier steps only, as each kind of
+        # step would), so a static runner can tell which of its graphs the round needs: the plain-decode
+        # graph may be warm before the drafting round's (trn2.warmup)
+        decision = None
+        if self.running and not any(s.prefilling for s in self.running):
+            decision = self._drafting_decision(list(self.running)) if self.spec else "draft"
+        self._ran_static = self._static_ok(decision or "draft")
+        if self._ran_static:
+            return self._step_static(decision)
         before = dict(self.runner.counters)
         for s in self.running:  # an eager step after static rounds reads the draft blocks back
             if s.draft == ON_DEVICE:
@@ -307,7 +315,7 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if decode_only and self.runner.static_rounds:
             self.decode_totals["static_fallback_steps"] += 1  # a decode step the static rounds did not take
         prefilling = self.prefix.prefilling(self.running)
-        self._step_eager()
+        self._step_eager(decision)
         self.prefix.after_step(self.running, prefilling)  # entries at the prefills' new boundaries
         if decode_only:
             self._count_step(before)

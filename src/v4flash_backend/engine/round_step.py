@@ -20,25 +20,28 @@ def filters(seqs: list[Seq], vocab: int) -> bool:
 
 
 class StaticRoundStep:
-    def _static_ok(self) -> bool:
+    def _static_ok(self, decision: str = "draft") -> bool:
         """A step runs as a static decode round when every running request decodes (no prefill
-        rows) and the runner has a bucket for it."""
+        rows) and the runner has a bucket for it whose graphs are warm: the plain-decode graph for a
+        round that neither verifies a draft nor drafts (`decision` skip, or no speculation), else the
+        drafting round's graphs (a background compile warms them apart: trn2.warmup)."""
         r = self.runner
         if not r.static_rounds or not self.running or any(s.prefilling for s in self.running):
             return False
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False
+        plain = (decision == "skip" or not self.spec) and not any(s.ell for s in self.running)
         # min_tokens, penalties, log-probs and top-k / top-p filters run in the rounds' processed variant
         # (static_round; the plain one samples without the filters), whose graphs may still be compiling
         return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running),
-                            self._round_processed(self.running))
+                            self._round_processed(self.running), plain=plain)
 
     def _round_processed(self, seqs: list[Seq]) -> bool:
         """Does the round run the processed variant (min_tokens, penalties, log-probs, filters)?"""
         return self._processed(seqs) or any(s.req.logprobs >= 0 for s in seqs) or \
             filters(seqs, self.mcfg.vocab_size)
 
-    def _step_static(self) -> None:
+    def _step_static(self, decision: str | None = None) -> None:
         """One decode round in the runner's static graphs: verify + acceptance + sampling, then
         the DSpark rings, the draft block, Markov drafting, confidence and admission, all inside
         the graphs; the committed tokens (with their counts, the next admitted lengths and the new
@@ -48,7 +51,8 @@ class StaticRoundStep:
         round steps aside: graph 1 alone, no ring writes, no draft stages)."""
         before = dict(self.runner.counters)
         seqs = list(self.running)
-        decision = self._drafting_decision(seqs) if self.spec else "draft"
+        if decision is None:  # (the step's decision, when the engine took it before picking the graphs)
+            decision = self._drafting_decision(seqs) if self.spec else "draft"
         self._kind = KIND_OF[decision]
         self._explore = self._guard_explores(decision)
         dspark = self.spec and self.settings.spec_mode == "dspark"
@@ -85,7 +89,11 @@ class StaticRoundStep:
                     s.counted = s.n_out
 
     def _round_plan(self, seqs: list[Seq], decision: str, dspark: bool, processed: bool) -> RoundPlan:
-        """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round)."""
+        """The round's plan (the inputs `runner.decode_round` takes; trn2.static_round). A round that
+        steps aside is a plain round: spec mode off, and neither the SPS table nor dspark_adaptive's
+        admission inputs (only the draft graph reads them), so the host builds what plain decoding
+        builds."""
+        dspark = dspark and decision != "skip"
         L = self.settings.max_model_len
         stops = self._stop_lists(seqs)
         kw = dict(

@@ -52,9 +52,10 @@ class Runner(Protocol):
                items: list[tuple[int, int, int]]) -> DraftOutput | None:
         """Ring writes of committed rows, then draft blocks for items [(slot, p, anchor)]."""
 
-    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False) -> bool:
+    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False, plain: bool = False) -> bool:
         """Whether a decode round of `seqs` sequences needing `ctx_needed` cache rows has a graph
-        (processed: of the logit-processing variant) that is ready to run."""
+        (processed: of the logit-processing variant) that is ready to run; plain: a round that neither
+        verifies nor drafts (the plain-decode graph)."""
 
     def decode_round(self, plan: RoundPlan) -> list[list[int]]:
         """One decode round in the static graphs (trn2.static_round); one read-back row a sequence."""
@@ -163,7 +164,7 @@ class LocalRunner:
 
     # no static rounds here (static_rounds is False): the engine never calls the methods below on
     # this runner; a runner with static rounds (trn2.static_runner.StaticRunner) overrides them
-    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False) -> bool:
+    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False, plain: bool = False) -> bool:
         return False
 
     def decode_round(self, plan: RoundPlan) -> list[list[int]]:

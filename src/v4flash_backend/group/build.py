@@ -57,9 +57,11 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
     background = settings.graph_warmup_mode == "background" and ns.backend != "none"
     # the scratch slot of the static graphs doubles as the SPS scratch slot (slots are reset before use)
+    # a background compile (the CPU default) takes one context bound per sequence count: every context
+    # bound its own graphs made 83 graphs for the defaults, hours of a 2-core machine (trn2.warmup)
     runner = StaticRunner(model, settings.max_num_seqs, settings.max_model_len, settings=ns,
                           prefill_rows=settings.prefill_chunk,
-                          count_host_syncs=settings.count_host_syncs or not background)
+                          count_host_syncs=settings.count_host_syncs or not background, ctx_buckets=not background)
     device = settings.resident_device
     if settings.ops_backend == "nki":  # weights and caches on the rank's NeuronCore, once; no per-call copies
         import torch_neuronx  # noqa: F401 - registers the neuron device (Neuron images only)
@@ -86,8 +88,8 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
                                           nodraft, log=lambda msg: _log(rank, msg))
         runner.warming.start()
         _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} graph sets in the "
-                   "background (every bucket's plain rounds first, smallest first); eager steps serve until a "
-                   "set is warm")
+                   "background (every bucket's rounds, smallest first; the rest as traffic needs them); eager "
+                   "steps serve until a set is warm")
         return runner
     t0 = time.monotonic()
     runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,

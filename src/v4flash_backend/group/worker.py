@@ -110,8 +110,8 @@ class PlanRunner:
     def graphs_ready(self) -> bool:
         return self.local.graphs_ready
 
-    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False) -> bool:
-        return self.local.round_fits(seqs, ctx_needed, processed)  # a pure function of the plan: no broadcast
+    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False, plain: bool = False) -> bool:
+        return self.local.round_fits(seqs, ctx_needed, processed, plain)  # a function of the plan: no broadcast
 
     def decode_round(self, plan: dict):
         a, body = pack_round(plan)

@@ -6,6 +6,8 @@ README section 6.1): fp32 math inside, one rounding to the output dtype where th
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -65,6 +67,23 @@ class _DequantCache:
 
 
 _cache = _DequantCache()
+_cache64 = _DequantCache()  # fp64 copies of weights ('exact' numerics: `_f64`)
+
+# Which weights 'exact' numerics keep an fp64 copy of, rather than converting them in every call:
+# 'none'; 'f32' (the fp32 ones: the LM head, the Markov and confidence heads, the compressors, the mHC
+# projections); 'all' (also the dequantized fp8 / fp4 ones, expert stacks included). The same fp64
+# operands either way (the conversion is exact), so the same bits. Default 'none' (no copies, as before):
+# 'f32' has not measured faster beyond the noise of a shared 2-core machine (perf/round_profile.py).
+F64_WEIGHTS = os.environ.get("V4FLASH_F64_WEIGHTS", "none")
+
+
+def _f64(w: torch.Tensor, kind: str = "f32", make=None) -> torch.Tensor:
+    """w (a weight: a tensor of the model's W, or a `_cache` entry) in fp64, from `_cache64` when
+    F64_WEIGHTS keeps `kind`; make: how to build it (default w.double())."""
+    make = make or w.double
+    if F64_WEIGHTS == "all" or F64_WEIGHTS == kind:
+        return _cache64.get(w, make)
+    return make()
 
 
 def _batched(deq, weight, scale):
@@ -94,6 +113,8 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] bf16 @ fp8 weight [N, K] (or a stack [E, N, K] with x [E, T, K]; with `experts` [E']
     x [E', T, K] meets those entries of the stack, gathered from its dequantized copy)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp8_weight, weight, scale))
+    if _exact() and F64_WEIGHTS == "all":
+        wf = _f64(weight, "all", lambda: wf.double())
     return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
 
 
@@ -102,6 +123,8 @@ def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] bf16 @ MXFP4 weight [N, K/2] (or a stack [E, N, K/2] with x [E, T, K]; `experts` as
     linear_fp8's)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp4_weight, weight, scale))
+    if _exact() and F64_WEIGHTS == "all":
+        wf = _f64(weight, "all", lambda: wf.double())
     return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
 
 
@@ -122,7 +145,9 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if _exact() or _ops.get_gemm_order() != "platform":
+    if _exact():
+        return (x.double() @ _f64(weight).T).float()
+    if _ops.get_gemm_order() != "platform":
         return _mm(x, weight).float()
     return F.linear(x.float(), weight.float())
 
@@ -265,7 +290,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     """pre / post / Sinkhorn-normalized comb coefficients from the flattened stream (all fp32)."""
     if _exact():
         xd = x.flatten(-2).double()
-        m = (xd @ fn.double().T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + norm_eps)
+        m = (xd @ _f64(fn).T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + norm_eps)
         pre, post, c = _split_sinkhorn(m, scale.double(), base.double(), hc, iters, hc_eps)
         return pre.float(), post.float(), c.float()
     xf = x.flatten(-2).float()

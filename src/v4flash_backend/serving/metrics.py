@@ -130,11 +130,12 @@ class ServingMetrics:
                                               F.GAUGE).Metric(labels=labels)
         # a static server compiling in the background (graph_warmup background): its progress
         self.warmup_done = family("v4flash:warmup_graph_sets_warm",
-                                  "Sets of static graphs warm (background compile: a bucket's plain rounds, its "
-                                  "logit-processing rounds, its forward graph, a prefill bucket; the rest serve "
-                                  "eager steps)", F.GAUGE).Metric(labels=labels)
-        self.warmup_total = family("v4flash:warmup_graph_sets", "Sets of static graphs a background compile warms",
-                                   F.GAUGE).Metric(labels=labels)
+                                  "Sets of static graphs warm (background compile: a bucket's plain-decode round, "
+                                  "its drafting round; a logit-processing variant, a forward graph or a prefill "
+                                  "bucket once traffic wanted it; the rest serve eager steps)",
+                                  F.GAUGE).Metric(labels=labels)
+        self.warmup_total = family("v4flash:warmup_graph_sets", "Sets of static graphs a background compile warms "
+                                   "(the announced ones, and those traffic asked for)", F.GAUGE).Metric(labels=labels)
         self.warmup_rss = family("v4flash:warmup_rss_bytes",
                                  "Resident bytes the background compile added (grown while its thread ran; "
                                  "bounded by its graph sets)", F.GAUGE).Metric(labels=labels)

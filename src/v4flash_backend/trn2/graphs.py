@@ -30,13 +30,13 @@ def decode_buckets(max_num_seqs: int, max_model_len: int, rows: int, min_ctx: in
 MAX_PREFILL_ROWS = 4096  # the port's prompt segment
 
 
-def prefill_buckets(prefill_rows: int, max_model_len: int) -> list[Bucket]:
+def prefill_buckets(prefill_rows: int, max_model_len: int, min_ctx: int = 256) -> list[Bucket]:
     """The prefill graphs' buckets: one sequence's chunk of up to `prefill_rows` rows (<= 4096, and never more
     than the context), padded into the next power-of-two row count from 16, x the context bounds of the
-    decode buckets."""
+    decode buckets (from min_ctx)."""
     prefill_rows = min(prefill_rows, MAX_PREFILL_ROWS, max_model_len)
     return [Bucket(1, q, L) for q in bucket_sizes(prefill_rows, min(16, prefill_rows))
-            for L in bucket_sizes(max_model_len, min(256, max_model_len))]
+            for L in bucket_sizes(max_model_len, min(min_ctx, max_model_len))]
 
 
 def startup_graphs(settings, dspark: bool = True) -> int:

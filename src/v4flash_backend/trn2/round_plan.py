@@ -94,7 +94,8 @@ class RoundPlan:
     # ---- padded to a bucket -------------------------------------------------------------------------
     def inputs(self, S: int, G: int, scratch: int) -> dict:
         """The round graphs' inputs for a bucket of S sequences as host tensors: the plan's rows, then
-        padding sequences (scratch slot, no valid row)."""
+        padding sequences (scratch slot, no valid row). A round of spec mode off runs graph 1 alone:
+        without the draft graph's inputs (the SPS table, dspark_adaptive's), which it does not read."""
         pad = S - self.size
         fd = loop_dtype()
 
@@ -107,8 +108,9 @@ class RoundPlan:
                  top_k=col("top_k", 0), top_p=col("top_p", 1.0, fd), seed=col("seed", 0),
                  rnd=col("rnd", 0), budget=col("budget", 0), len_left=col("len_left", 0),
                  stop_ids=torch.tensor([list(r) for r in self.stop_ids] + [[-1] * len(self.stop_ids[0])] * pad,
-                                       dtype=torch.long),
-                 sps_t=pad_sps(self.sps), **adaptive_inputs(S, G, self))
+                                       dtype=torch.long))
+        if self.spec_mode != "off":
+            x.update(sps_t=pad_sps(self.sps), **adaptive_inputs(S, G, self))
         if self.processed:
             x.update(n_out=col("n_out", 0), min_tokens=col("min_tokens", 0),
                      frequency=col("frequency", 0.0, fd), presence=col("presence", 0.0, fd))

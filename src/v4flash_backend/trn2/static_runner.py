@@ -36,7 +36,7 @@ class StaticRunner(LocalRunner):
 
     def __init__(self, model, num_slots: int, max_len: int, buckets: list[Bucket] | None = None,
                  settings: NeuronSettings | None = None, margin: int = 8, prefill_rows: int = 0,
-                 count_host_syncs: bool = True):
+                 count_host_syncs: bool = True, ctx_buckets: bool = True):
         # + the scratch slot; host syncs counted as before: a static decode round is one graph call
         # (its count is the interface: 0), and the eager forwards of fallback steps are rare -- except
         # while the graphs compile in the background, where eager steps serve (count_host_syncs False:
@@ -58,7 +58,10 @@ class StaticRunner(LocalRunner):
         self.G = model.cfg.dspark_block_size or 0
         rows = 1 + self.G
         self.decoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=rows)
-        self.buckets = buckets or decode_buckets(num_slots, max_len, rows)
+        # ctx_buckets False: one context bound, max_len, for every sequence count (decode and prefill
+        # buckets alike): a third of the graphs at the default 1024 tokens, for a background compile
+        ctx0 = 256 if ctx_buckets else max_len
+        self.buckets = buckets or decode_buckets(num_slots, max_len, rows, min_ctx=ctx0)
         from .static_round import BlockState
 
         self.blocks = BlockState.empty(num_slots + 1, self.G, model.cfg.vocab_size)
@@ -67,7 +70,7 @@ class StaticRunner(LocalRunner):
         # port's 4096-token segment), padded into the next power-of-two row bucket
         self.pgraphs = None
         if prefill_rows:
-            pb = prefill_buckets(prefill_rows, max_len)
+            pb = prefill_buckets(prefill_rows, max_len, min_ctx=ctx0)
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
             self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock)
@@ -98,23 +101,25 @@ class StaticRunner(LocalRunner):
 
     @property
     def graphs_ready(self) -> bool:
-        """Every bucket's graphs are warm (the step-cost profile times the rounds only then)."""
-        return self.ready is None
+        """Every bucket's rounds are warm (the step-cost profile times the rounds only then): all of them
+        (compiled at start), or the background compile's announced sets (trn2.warmup)."""
+        return self.ready is None or (self.warming is not None and self.warming.announced_warm)
 
     def _warm(self, *key) -> bool:
         ready = self.ready
         return ready is None or key in ready
 
-    def warm_round(self, b: Bucket, processed: bool, mode: str, fixed_len: int, stop_width: int,
-                   nodraft: bool) -> None:
-        """Compile, on a padding plan (it changes no real slot), every graph a decode round of
-        decode bucket b may run in one variant (processed: logit processing): the round graphs of
-        `mode`, and the plain-decode round graph when the server may not draft (nodraft) -- what
-        `warm_up` and `warm_up_nodraft` compile for b at start."""
+    def warm_round(self, b: Bucket, processed: bool, mode: str, fixed_len: int, stop_width: int) -> None:
+        """Compile, on a padding plan (it changes no real slot), the graphs a drafting round of decode
+        bucket b runs in one variant (processed: logit processing): the round graphs of `mode` -- what
+        `warm_up` compiles for b at start."""
         self.graphs.round(b, mode, fixed_len, self.graphs.round_padding(b, stop_width, processed))
-        if nodraft and self.ngraphs is not None:
-            nb = Bucket(b.seqs, 1, b.ctx)
-            self.ngraphs.round(nb, "off", 0, self.ngraphs.round_padding(nb, stop_width, processed))
+
+    def warm_plain_round(self, b: Bucket, processed: bool, stop_width: int) -> None:
+        """Compile decode bucket b's plain-decode round graph (1 row a sequence: a round that neither
+        verifies nor drafts) in one variant, on a padding plan -- what `warm_up_nodraft` compiles for b."""
+        nb = Bucket(b.seqs, 1, b.ctx)
+        self.ngraphs.round(nb, "off", 0, self.ngraphs.round_padding(nb, stop_width, processed))
 
     def warm_forward(self, b: Bucket) -> None:
         """Compile decode bucket b's bare verify graph (a step's short segments) on a padding plan."""
@@ -158,8 +163,13 @@ class StaticRunner(LocalRunner):
                 pre.append((pick_bucket(self.pgraphs.buckets, 1, n, start + n), i))
         except ValueError:
             return None
-        if (vb is not None and not self._warm("forward", vb)) or not all(self._warm("prefill", pb) for pb, _ in pre):
-            return None  # a graph still compiling in the background: the eager forward meanwhile
+        cold = ([("forward", vb)] if vb is not None and not self._warm("forward", vb) else []) + \
+            [("prefill", pb) for pb, _ in pre if not self._warm("prefill", pb)]
+        if cold:  # a graph still compiling in the background: the eager forward meanwhile (it is wanted now)
+            for key in cold:
+                if self.warming is not None:
+                    self.warming.want(key)
+            return None
         return vb, short, pre
 
     def forward(self, tokens, spec, logits_rows, want_taps):
@@ -253,14 +263,21 @@ class StaticRunner(LocalRunner):
             out += list(d.values())
         return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
 
-    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False) -> bool:
+    def round_fits(self, seqs: int, ctx_needed: int, processed: bool = False, plain: bool = False) -> bool:
         """A bucket holds the round and its variant's graphs are warm (compiling in the background:
-        not yet -> an eager step)."""
+        not yet -> an eager step, and the set moves to the front of the compile queue). plain: a
+        round that neither verifies nor drafts, which runs the bucket's plain-decode graph alone
+        (the set ("plain", b, processed)); else the drafting round's graphs ("round", b, processed)."""
         try:
             b = pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
         except ValueError:
             return False
-        return self._warm("round", b, processed)
+        key = ("plain" if plain and self.ngraphs is not None else "round", b, processed)
+        if self._warm(*key):
+            return True
+        if self.warming is not None:
+            self.warming.want(key)
+        return False
 
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""

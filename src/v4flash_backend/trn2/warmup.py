@@ -4,10 +4,13 @@ A CPU server compiles its static round graphs with inductor: minutes per bucket 
 much less from inductor's FX graph cache. Compiled at start, a fresh clone's
 `make serve` would not be ready for many minutes. In the background it is ready at once: the
 serving thread runs eager steps (the op-by-op forward on the same caches: the same tokens under
-the exact numerics) while a thread compiles in sets that take over one by one once warm: the plain
-rounds of every decode bucket, smallest first (one sequence, the shortest context: what a first user
-sends), then their logit-processing rounds, their forward graphs, then the prefill buckets
-(`StaticRunner.ready`, read by `round_fits` and `forward_plan`).
+the exact numerics) while a thread compiles in sets that take over one by one once warm
+(`StaticRunner.ready`, read by `round_fits` and `forward_plan`): the announced sets, every decode
+bucket's plain-decode round (one graph) and drafting round (two), smallest first, one sequence first
+(what a first user sends); the other sets -- logit-processing variants, forward graphs, prefill
+buckets -- when a step first needs one, and a set a step waits for goes to the front of the queue
+(`want`). A server's background compile takes one context bucket per sequence count (group/build.py:
+every context bound its own graphs tripled the count).
 
 What keeps the two threads apart:
 - the compiled graphs run under the runner's `graph_lock` (compile_step's `lock`), which the engine
@@ -33,9 +36,10 @@ What keeps the two threads apart:
 One rank only: on several ranks each graph is a collective and both threads would issue them.
 
 Progress: a log line per warm set on stderr, and the runner's counters `warmup_done` /
-`warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total). A compile
-that fails is logged and ends the thread; what is not warm keeps serving eager steps (the server
-stays up).
+`warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total; a set wanted
+by traffic adds to the total). A compile that fails is logged and ends the thread; what is not warm
+keeps serving eager steps (the server stays up). While no set is queued the thread waits for a `want`
+and the gate is told the compile is off (no slice before steps, no memory counted as the compile's).
 
 Stopping: `close()` (the rank's exit) ends the thread within a moment, mid-set: the profile hook raises
 `CompileStopped` at the thread's next Python or C call. A daemon thread still inside torch when the
@@ -50,6 +54,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 
 from .graphs import uncounted
 
@@ -141,22 +146,32 @@ class StepGate:
 
 
 class BackgroundWarmup:
-    """Compiles `runner`'s graphs (a StaticRunner) in a daemon thread, set by set."""
+    """Compiles `runner`'s graphs (a StaticRunner) in a daemon thread, set by set: the announced sets
+    (`jobs`) smallest first, and any other set a step asks for (`want`) as traffic needs it."""
 
     def __init__(self, runner, mode: str, fixed_len: int, stop_width: int, processed: bool, nodraft: bool,
                  log=None):
         self.runner = runner
         self.args = (mode, fixed_len, stop_width, nodraft)
+        self.processed = processed
         self.log = log or (lambda msg: print(f"[v4flash] {msg}", file=sys.stderr, flush=True))
         decode = sorted(runner.buckets, key=lambda b: (b.seqs, b.ctx))
-        prefill = sorted(runner.pgraphs.buckets, key=lambda b: (b.ctx, b.rows)) if runner.pgraphs else []
-        # the graph sets in the order they are compiled, each usable once warm: every decode bucket's
-        # plain rounds (what most requests run; a cold one took ~14 min here), then their
-        # logit-processing rounds, their forward graphs (the short segments of mixed steps), then the
-        # prefill buckets
-        self.jobs = ([("round", b, False) for b in decode] + [("round", b, True) for b in decode if processed]
-                     + [("forward", b) for b in decode] + [("prefill", b) for b in prefill])
-        self.done = threading.Event()
+        plain = nodraft and runner.ngraphs is not None  # rounds that neither verify nor draft: their own graph
+        drafting = mode != "off" or runner.ngraphs is None
+        # the announced graph sets, compiled in this order (each usable once warm): per decode bucket,
+        # smallest first, the plain-decode round (one graph: what a round runs that steps aside or does
+        # not speculate; the first set a fresh server gets warm) and the drafting round (its verify and
+        # draft graphs). The logit-processing variants, the forward graphs (short segments of mixed
+        # steps) and the prefill buckets compile when a step first needs them (`want`): a cold graph
+        # takes minutes on a few cores, and a server that never sees a penalty, a log-prob request or
+        # a prompt of some length never pays for those graphs.
+        self.jobs = [k for b in decode for k in ([("plain", b, False)] if plain else [])
+                     + ([("round", b, False)] if drafting else [])]
+        self.announced = list(self.jobs)
+        self._queue: deque = deque(self.jobs)
+        self._cv = threading.Condition()
+        self._current = None
+        self.done = threading.Event()  # every set known so far is warm
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
@@ -176,9 +191,36 @@ class BackgroundWarmup:
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
+    def want(self, key: tuple) -> None:
+        """A step needs set `key` and it is not warm: compile it next (after the one in progress). A set
+        no server of these settings runs (a logit-processing variant without warm_processed) is left out."""
+        if key[0] in ("plain", "round") and key[2] and not self.processed:
+            return
+        with self._cv:
+            if key == self._current or key in (self.runner.ready or ()) or self.error is not None:
+                return
+            if key in self._queue:
+                if self._queue[0] == key:
+                    return
+                self._queue.remove(key)
+            else:
+                self.jobs.append(key)
+                self.runner.counters["warmup_total"] = len(self.jobs)
+                self.done.clear()
+            self._queue.appendleft(key)
+            self._cv.notify()
+
+    @property
+    def announced_warm(self) -> bool:
+        """Every announced set is warm (the step-cost profile may time the rounds)."""
+        ready = self.runner.ready
+        return ready is None or all(k in ready for k in self.announced)
+
     def stop(self) -> None:
         """Compile no further: the set in progress is abandoned at the thread's next call."""
         self._stop.set()
+        with self._cv:
+            self._cv.notify()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -187,7 +229,9 @@ class BackgroundWarmup:
         """Stop and wait for the thread to end (before the process exits: module docstring); False
         when it is still running after `timeout` (inside one long C call)."""
         self.stop()
-        return self.thread is None or self.wait(timeout)
+        if self.thread is not None:  # not `done`: that is set while the thread waits for a `want`
+            self.thread.join(timeout)
+        return self.thread is None or not self.thread.is_alive()
 
     def _pause(self, frame, event, arg) -> None:
         """The compile thread's profile hook: wait while the engine runs a step (module docstring);
@@ -204,6 +248,27 @@ class BackgroundWarmup:
         self._burst_end = 0.0 if g.idle.wait(MAX_PAUSE_S) else time.monotonic() + BURST_S
         g.compile_resumed()
 
+    def _next(self):
+        """The next set to compile; None: stop. With nothing queued the thread waits for a `want`."""
+        with self._cv:
+            if not self._queue and not self._stop.is_set():
+                # idle: no compile to pause, no slice before each step, no memory counted as the compile's
+                sys.setprofile(None)
+                self._gate.compiling(False)
+                if not self.done.is_set():
+                    self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
+                    self.done.set()
+                while not self._queue and not self._stop.is_set():
+                    self._cv.wait(1.0)
+                if self._stop.is_set():
+                    return None
+                self._gate.compiling(True)
+                sys.setprofile(self._pause)
+            if self._stop.is_set():
+                return None
+            self._current = self._queue.popleft()
+            return self._current
+
     def _run(self) -> None:
         r = self.runner
         try:
@@ -213,17 +278,16 @@ class BackgroundWarmup:
         sys.setprofile(self._pause)  # this thread only
         try:
             with uncounted():
-                for i, job in enumerate(self.jobs):
-                    if self._stop.is_set():
-                        return
+                while (job := self._next()) is not None:
                     t0 = time.monotonic()
                     self._warm(job)
-                    r.ready.add(job)
-                    r.counters["warmup_done"] = i + 1
-                    self.log(f"graphs warm: {_name(job)} in {time.monotonic() - t0:.1f} s ({i + 1}/{len(self.jobs)}, "
+                    with self._cv:
+                        r.ready.add(job)
+                        self._current = None
+                    done = len(r.ready)
+                    r.counters["warmup_done"] = done
+                    self.log(f"graphs warm: {_name(job)} in {time.monotonic() - t0:.1f} s ({done}/{len(self.jobs)}, "
                              f"{time.monotonic() - self.t0:.0f} s since start)")
-            r.ready = None  # every set: the profile may now time the rounds (Engine.prior_cost)
-            self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
         except CompileStopped:
             self.log(f"background compile stopped ({r.counters['warmup_done']} of {len(self.jobs)} sets warm)")
         except BaseException as e:  # noqa: BLE001 - a failed compile must not take the server down
@@ -237,9 +301,11 @@ class BackgroundWarmup:
 
     def _warm(self, job: tuple) -> None:
         r = self.runner
-        mode, fixed_len, stop_width, nodraft = self.args
+        mode, fixed_len, stop_width, _ = self.args
         if job[0] == "round":
-            r.warm_round(job[1], job[2], mode, fixed_len, stop_width, nodraft)
+            r.warm_round(job[1], job[2], mode, fixed_len, stop_width)
+        elif job[0] == "plain":
+            r.warm_plain_round(job[1], job[2], stop_width)
         elif job[0] == "forward":
             r.warm_forward(job[1])
         else:
@@ -247,6 +313,7 @@ class BackgroundWarmup:
 
 
 def _name(job: tuple) -> str:
-    if job[0] == "round":
-        return f"{'processed' if job[2] else 'plain'} rounds {job[1]}"
+    if job[0] in ("round", "plain"):
+        what = "plain-decode round" if job[0] == "plain" else "drafting round"
+        return f"{what}{' (logit processing)' if job[2] else ''} {job[1]}"
     return f"{job[0]} {job[1]}"

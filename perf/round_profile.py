@@ -1,0 +1,122 @@
+"""Where a compiled decode round's time goes: the plain-decode round, the drafting round's verify
+graph and its draft graph, timed apart on the graphs `perf/bench_dspark.py --fast` compiles.
+
+    .venv/bin/python perf/round_profile.py [--batch 1] [--rounds 200] [--ops 25] [--tau 4.70]
+
+Builds the bench's fast runner (the same bucket, so inductor's cache serves both), then times, in
+interleaved rounds on padding plans (fixed shapes: the same work as a real round), graph 1 of the
+plain-decode round (1 row a sequence: what a stepped-aside round runs), graph 1 of the drafting round
+(1 + G rows: verify, acceptance) and graph 2 (ring writes, draft stages, Markov drafting, confidence,
+admission). `--ops N` adds torch.profiler's top N operators by self time per graph (the BLAS and
+aten calls the graphs make; inductor's own fused C++ kernels show as the remainder). It prints
+
+    round-profile: batch=<B> f64_weights=<w> plain_ms=<p> verify_ms=<v> draft_ms=<d>
+        drafting_round_ms=<v+d> ratio=<(v+d)/p>      (one line)
+    round-bound: tau=<t> drafting_pays_below_ratio=<t> max_gain=<t/ratio>
+
+(medians [min-max] over rounds on the line before): a drafting round commits tau tokens a sequence
+where a plain round commits 1, so drafting pays while ratio < tau, and gains at most tau / ratio at
+that acceptance, before the host's work per round and the prefill, which both modes pay. The numerics
+are `exact` (the CPU default's); $V4FLASH_F64_WEIGHTS (torch_ops.F64_WEIGHTS) picks which weights keep
+an fp64 copy, so an A/B of it is two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "perf"))
+
+from bench_dspark import default_checkpoint, fast_max_len, fast_runner, load_prompts  # noqa: E402
+
+from v4flash_backend import ops  # noqa: E402
+from v4flash_backend.model.loading import load_model  # noqa: E402
+from v4flash_backend.ops import torch_ops  # noqa: E402
+from v4flash_backend.trn2.round_plan import STOP_WIDTH  # noqa: E402
+from v4flash_backend.trn2.static_step import Bucket  # noqa: E402
+
+ARGS = ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed", "rnd", "budget", "stop_ids")
+DRAFT_ARGS = ("slot", "start", "n", "temperature", "top_k", "top_p", "seed", "rnd", "budget", "len_left", "sps_t",
+              "t_draft", "cal", "fixed_ell")
+
+
+def graph_calls(runner, batch: int) -> dict:
+    """{name: zero-argument call} of the three graphs on padding plans of the runner's one bucket."""
+    b = runner.buckets[0]
+    nb = Bucket(b.seqs, 1, b.ctx)
+    x = runner.graphs.round_padding(b, STOP_WIDTH, False)
+    xn = runner.ngraphs.round_padding(nb, STOP_WIDTH, False)
+    g1 = runner.graphs.round_verify_graph(b, False)
+    g2 = runner.graphs.round_draft_graph(b, "dspark", 0, False)
+    gp = runner.ngraphs.round_verify_graph(nb, False)
+    out1 = g1(*(x[k] for k in ARGS))
+    tokens_out, committed, accepted, stopped, taps, _ = out1
+
+    def draft():
+        return g2(taps, committed, tokens_out, accepted, stopped, *(x[k] for k in DRAFT_ARGS))
+
+    return {"plain": lambda: gp(*(xn[k] for k in ARGS)), "verify": lambda: g1(*(x[k] for k in ARGS)),
+            "draft": draft}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=48, help="the bench's (sets the bucket's context)")
+    ap.add_argument("--ops", type=int, default=0, help="torch.profiler's top N operators per graph")
+    ap.add_argument("--tau", type=float, default=4.70, help="tokens a drafting round commits per sequence")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops.set_numerics("exact")
+    ckpt = args.checkpoint or default_checkpoint()
+    model = load_model(ckpt)
+    prompts, _ = load_prompts(ckpt, model, 16, None)
+    runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
+    print(f"fast-compile: batch={args.batch} graphs={graphs} seconds={secs:.1f}", flush=True)
+    calls = graph_calls(runner, args.batch)
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    with torch.inference_mode():
+        for _ in range(5):
+            for fn in calls.values():
+                fn()
+        for r in range(args.rounds):
+            names = list(calls)
+            for k in names[r % 3:] + names[:r % 3]:
+                t0 = time.perf_counter()
+                calls[k]()
+                samples[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    for k, v in samples.items():
+        print(f"  {k:>6}: {med[k]:.3f} ms [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}] over {len(v)} calls")
+    full = med["verify"] + med["draft"]
+    ratio = full / med["plain"]
+    print(f"round-profile: batch={args.batch} f64_weights={torch_ops.F64_WEIGHTS} plain_ms={med['plain']:.3f} "
+          f"verify_ms={med['verify']:.3f} "
+          f"draft_ms={med['draft']:.3f} drafting_round_ms={full:.3f} ratio={ratio:.2f}")
+    print(f"round-bound: tau={args.tau:.2f} drafting_pays_below_ratio={args.tau:.2f} "
+          f"max_gain={args.tau / ratio:.2f}", flush=True)
+    if args.ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        for k, fn in calls.items():
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(20):
+                    fn()
+            print(f"--- {k} (20 calls) ---")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
