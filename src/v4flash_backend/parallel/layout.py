@@ -308,6 +308,11 @@ def load_shard(reader: CheckpointReader, cfg: ModelConfig, lay: Layout) -> Weigh
             if f"{top}.{i}.ffn.gate.weight" in reader and lay.holds_layer(cfg, top, i):
                 experts[f"{top}.{i}.ffn"] = list(range(*lay.expert_range(_layer_experts(cfg, top, i))))
     out.meta["experts"] = experts
+    # the same starts as tensors, which the forward computes with (model.weights.Weights.rank_offset)
+    offsets = {"vocab_start": out.meta["vocab_start"]}
+    offsets |= {f"engram_row_start.{i}": v for i, v in out.meta["engram_row_start"].items()}
+    offsets |= {f"expert_start.{p}": ids[0] for p, ids in experts.items() if ids}
+    out.meta["rank_offsets"] = {k: torch.tensor(v, dtype=torch.long) for k, v in offsets.items()}
     out.meta["layout"] = (lay.rank, lay.world)
     out.meta["stage_layers"] = lay.stage_layers(cfg)
     out.meta["pipeline"] = (lay.stage, lay.pipeline)

@@ -248,7 +248,7 @@ class StaticRunner(LocalRunner):
     def resident_tensors(self) -> list[torch.Tensor]:
         """What stays on the device: the weights, every per-slot cache, the draft blocks."""
         st = self.state
-        out = list(self.model.W.values())
+        out = list(self.model.W.values()) + list(self.model.W.meta.get("rank_offsets", {}).values())
         for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
             out += list(d.values())
         return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
@@ -352,6 +352,10 @@ def place_resident(runner: "StaticRunner", device) -> int:
     for k in list(W.keys()):
         W[k] = W[k].to(device)
     n = len(W)
+    offsets = W.meta.get("rank_offsets", {})  # the shard's starts, read by the graphs (Weights.rank_offset)
+    for k in offsets:
+        offsets[k] = offsets[k].to(device)
+    n += len(offsets)
     W.meta.pop("stacked", None)  # the stacked experts (W's expert entries are views of them): rebuilt there
     _settle_weights(runner.model)
     n += _move_attrs(runner.state, device) + _move_attrs(runner.blocks, device)
