@@ -176,11 +176,11 @@ def _image_config(tmp_path) -> tuple[dict[str, str], dict[str, str]]:
 
 def test_neuron_image_startup_timeout_covers_its_compiles(tmp_path):
     """The image's start-up timeout is the load budget plus a compile budget per graph for the graphs a
-    rank compiles at start -- counted from the code (`trn2.neuron.startup_graphs`) on the image's own
+    rank compiles at start -- counted from the code (`trn2.graphs.startup_graphs`) on the image's own
     configuration, so a new bucket or variant without a larger timeout fails here -- and the health
     check's start period is longer than it."""
     from v4flash_backend.settings import Settings
-    from v4flash_backend.trn2.neuron import startup_graphs
+    from v4flash_backend.trn2.graphs import startup_graphs
 
     params, args = _image_config(tmp_path)
     s, unknown = Settings.from_params(params)

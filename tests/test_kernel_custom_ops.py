@@ -253,7 +253,8 @@ def _serve(runner, max_tokens=6, **kw):
 def test_static_rounds_with_kernel_ops_read_nothing_unless_the_step_does(small_model, monkeypatch):
     """The static rounds run op by op (graph backend none) with nki-sim: 0 host syncs per decode step
     (each kernel is one opaque op); a deliberate `.item()` in the step (after every RMSNorm) is counted."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     def runner():
         return StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="none"))
@@ -280,7 +281,8 @@ def test_compiled_static_rounds_hold_the_kernels_as_nodes(small_model, monkeypat
     import torch._dynamo
 
     from v4flash_backend.engine.runner import LocalRunner
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     real_lookup = torch._dynamo.lookup_backend
     captured = []

@@ -29,12 +29,14 @@ from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_sta
 from v4flash_backend.engine.dspark_sched import SPSTable, _sps_values, admit, admit_static, sps_tensors, staircase_sps
 from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.precision import loop_dtype, loop_int_dtype, pack_bits, unpack_bits
+from v4flash_backend.engine.round_plan import pad_sps
 from v4flash_backend.engine.runner import LocalRunner
 from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.launch import NeuronSettings
 from v4flash_backend.trn2.static_round import calibrated_confidence, logprobs_pack, pack
+from v4flash_backend.trn2.static_runner import StaticRunner
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]

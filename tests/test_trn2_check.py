@@ -78,7 +78,8 @@ def test_host_reads_and_kernel_nodes_are_counted():
 
 
 def test_launch_env_check():
-    from v4flash_backend.trn2.neuron import COMPILER_ARGS, NeuronSettings, neuron_env
+    from v4flash_backend.trn2.compiler import COMPILER_ARGS
+    from v4flash_backend.trn2.launch import NeuronSettings, neuron_env
 
     full = {"NEURON_CC_FLAGS": " ".join(COMPILER_ARGS), "NEURON_LOGICAL_NC_CONFIG": "2",
             "NEURON_RT_VISIBLE_CORES": "3", "NEURON_COMPILE_CACHE_URL": "/c"}
@@ -152,7 +153,8 @@ def _assert_all_ok(final):
 def test_tiny_rank_passes_with_native_int64():
     """Every graph of the tiny rank, with the launch's flags plus --native-int64=enabled (the one
     thing the default flags lack: the Engram hash is 64-bit)."""
-    from v4flash_backend.trn2.neuron import COMPILER_ARGS, NeuronSettings
+    from v4flash_backend.trn2.compiler import COMPILER_ARGS
+    from v4flash_backend.trn2.launch import NeuronSettings
 
     s = NeuronSettings(compiler_args=tuple(COMPILER_ARGS) + ("--native-int64=enabled",))
     ok, final, graphs = trn2.trn2_check(TINY, None, 2, 0, log=None, settings=s)

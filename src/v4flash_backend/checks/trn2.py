@@ -1,7 +1,7 @@
 """`python -m v4flash_backend trn2-check`: the static graphs as a NeuronCore would take them.
 
 For rank R of a W-rank group, without real weights and without a process group (release.py's
-`ShapeCollectives`), the rank's `trn2.neuron.StaticRunner` is built from fake tensors
+`ShapeCollectives`), the rank's `trn2.static_runner.StaticRunner` is built from fake tensors
 (`torch._subclasses.FakeTensorMode`: shapes, dtypes and devices, no memory): every weight shard
 (from the checkpoint's headers, or from the config's tensor specs), cache, draft block and table is
 placed on a fake accelerator device (`FAKE_DEVICE`: cuda, or meta on a CPU-only torch) by the served path's own
@@ -23,7 +23,7 @@ Per graph:
   op there), counted over the graphs one decode step runs (round verify + round draft of the first
   decode bucket; the plain round graph where the checkpoint has no DSpark).
 
-neuron_env: the launch environment `trn2.neuron.neuron_env` builds for this rank carries the LNC,
+neuron_env: the launch environment `trn2.launch.neuron_env` builds for this rank carries the LNC,
 --auto-cast=none and the fp8 flag in NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG = the LNC, a per-rank
 NEURON_RT_VISIBLE_CORES and a compile cache directory.
 
@@ -235,7 +235,9 @@ def build_runner(plan: RankPlan, mode):
     from v4flash_backend.model.transformer import V41Model
     from v4flash_backend.parallel.comm import DistComm
     from v4flash_backend.parallel.layout import Layout, load_shard
-    from v4flash_backend.trn2.neuron import MAX_PREFILL_ROWS, NeuronSettings, StaticRunner, place_resident
+    from v4flash_backend.trn2.graphs import MAX_PREFILL_ROWS
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner, place_resident
 
     from .release import ShapeCollectives, select_buckets
 
@@ -272,7 +274,8 @@ def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=N
                  prefill: str = "smallest", select=None) -> list[GraphCheck]:
     """Trace every static graph of `runner` (see the module docstring); `select(name)`: only those
     (a round's draft graph needs its verify graph)."""
-    from v4flash_backend.trn2.neuron import PROC_INPUTS, Bucket
+    from v4flash_backend.trn2.graphs import PROC_INPUTS
+    from v4flash_backend.trn2.static_step import Bucket
 
     out: list[GraphCheck] = []
 
@@ -357,8 +360,8 @@ def native_int64_enabled(env: dict) -> bool:
 
 
 def rank_env(world: int, rank: int, settings=None) -> tuple[dict, int, int]:
-    """(the launch environment of `rank`, its LNC, its local rank) from `trn2.neuron.neuron_env`."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, neuron_env
+    """(the launch environment of `rank`, its LNC, its local rank) from `trn2.launch.neuron_env`."""
+    from v4flash_backend.trn2.launch import NeuronSettings, neuron_env
 
     s = settings or NeuronSettings()
     local = rank % (TRN2_PHYSICAL_CORES // max(1, s.lnc))  # logical cores of one trn2.48xlarge

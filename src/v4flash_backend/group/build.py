@@ -52,7 +52,8 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
     if settings.decode_graph_mode != "static":
         return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,  # +1: the SPS scratch slot
                            count_host_syncs=settings.count_host_syncs)
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
     background = settings.graph_warmup_mode == "background" and ns.backend != "none"
@@ -69,7 +70,7 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
         device = device or nki_ops.DEVICE
         os.environ["V4FLASH_NKI_STRICT"] = "1"
     if device and device != "cpu":  # the NeuronCore, or a GPU standing in for one (checks/standin.py)
-        from v4flash_backend.trn2.neuron import place_resident
+        from v4flash_backend.trn2.static_runner import place_resident
 
         _log(rank, f"placed {place_resident(runner, device)} tensors on the {device} device")
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"

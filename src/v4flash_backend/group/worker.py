@@ -2,7 +2,7 @@
 sets the rank's environment, then becomes `python -m v4flash_backend.group.worker ...`).
 
 Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
-`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
+`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.static_runner.StaticRunner`
 (decode_graph static; `group.build.build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan
 from v4flash_backend.group.lifetime import (
     _check_rank_env,
     _die_with_parent,
@@ -70,7 +71,6 @@ from v4flash_backend.group.plan_codec import (
 )
 from v4flash_backend.group.server import Server
 from v4flash_backend.parallel.micro_batch import MicroBatchRunner
-from v4flash_backend.trn2.round_plan import RoundPlan
 
 
 def pack_round(plan: RoundPlan):

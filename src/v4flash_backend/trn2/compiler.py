@@ -59,7 +59,7 @@ def _check_cc_flags(s: NeuronSettings) -> None:
     every flag of `s` must be there (flags added by others may be too) and no other LNC degree."""
     import shlex
 
-    from v4flash_backend.settings import flag_lnc
+    from v4flash_backend.settings_values import flag_lnc
 
     have = os.environ.get("NEURON_CC_FLAGS", "")
     missing = [a for a in s.compiler_args if a not in shlex.split(have)]

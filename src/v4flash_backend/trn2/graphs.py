@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan
+
 from .compiler import CompileStats, compile_step
 from .launch import NeuronSettings
-from .round_plan import RoundPlan
 from .static_step import Bucket, StaticDecoder, bucket_sizes
 
 

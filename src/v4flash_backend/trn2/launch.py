@@ -40,7 +40,8 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from v4flash_backend.settings import Settings, flag_lnc
+from v4flash_backend.settings import Settings
+from v4flash_backend.settings_values import flag_lnc
 
 # neuronx-cc arguments of the served graphs (the port's set): trn2 target, transformer model type, -O1,
 # no automatic down-casting (the kernels' numerics are fp32 where the reference is), and e4m3fn

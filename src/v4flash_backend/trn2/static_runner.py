@@ -12,13 +12,13 @@ import threading
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan, filters_sampling
 from v4flash_backend.engine.runner import LocalRunner
 from v4flash_backend.model.dspark import DraftOutput
 from v4flash_backend.model.transformer import StepOutput
 
 from .graphs import StaticGraphs, _Progress, decode_buckets, prefill_buckets, to_device
 from .launch import NeuronSettings
-from .round_plan import RoundPlan, filters_sampling
 from .static_step import BoundarySpy, Bucket, HostSyncCounter, StaticDecoder, pick_bucket
 from .warmup import StepGate
 
