@@ -159,7 +159,7 @@ class PlanRunner:
         buf[:HDR] = _long([MAGIC, op, self.seq, n, *a, *([0] * (4 - len(a)))])
         if n:
             buf[HDR:HDR + n] = body
-        self.coll.broadcast(buf, self.src, "world")
+        self.coll.broadcast(buf, self.src, "control")  # the control plane: gloo (parallel.collectives)
         self.seq += 1
         self.sent[OP_NAMES[op]] += 1
         self.last_send = time.monotonic()
@@ -208,7 +208,7 @@ class PlanRunner:
     def heartbeat_if_due(self) -> None:
         if self.heartbeat_due_in() == 0.0:
             self._send(OP_NOOP)
-            self.coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+            self.coll.all_reduce(torch.zeros(1), "control", "heartbeat")
 
     def stop(self) -> None:
         self._send(OP_STOP)
@@ -222,14 +222,14 @@ def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True
     buf = torch.zeros(plan_size, dtype=torch.long)
     seq = 0
     while True:
-        coll.broadcast(buf, src, "world")
+        coll.broadcast(buf, src, "control")
         magic, op, got, n, *a = buf[:HDR].tolist()
         if magic != MAGIC or got != seq or not 0 <= n <= buf.numel() - HDR:
             raise PlanError(f"bad plan header {buf[:HDR].tolist()} (expected sequence {seq})")
         seq += 1
         body = buf[HDR:HDR + n]
         if op == OP_NOOP:
-            coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+            coll.all_reduce(torch.zeros(1), "control", "heartbeat")
             continue
         if op == OP_STOP:
             return seq
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     if lay.pipeline > 1 and settings.pipeline_micro_batches > 1:
         local = MicroBatchRunner(local, settings.pipeline_micro_batches)
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
-    pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
+    pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "control", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
     if lay.pipeline > 1:
         lo, hi = lay.stage_layers(model.cfg)
