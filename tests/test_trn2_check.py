@@ -10,9 +10,9 @@
   `torch.zeros` inside the step and a float64 op inside it each fail it.
 - Rank-agnostic graphs: at W = 4 (two attention groups, other experts / vocabulary / Engram rows)
   rank 1's graphs have rank 3's keys; a deliberate rank constant in the step (a Python int of the
-  rank's layout) makes trn2-check print rank_agnostic=no, name the graph and the node, and fail. Every graph of the rank,
-  the final line as the issue asks, with --native-int64=enabled added to the launch's flags (slow);
-  the command line with the served flags as they are (slow).
+  rank's layout) makes trn2-check print rank_agnostic=no, name the graph and the node, and fail.
+- Every graph of the rank, the final line as the issue asks, with --native-int64=enabled added to the
+  launch's flags (slow); the command line with the served flags as they are (slow).
 """
 
 import re
@@ -178,7 +178,8 @@ def test_a_rank_constant_in_a_graph_fails_rank_agnostic(monkeypatch):
     # the forward graph, at the node that adds the rank: 0 on rank 0, 1 on rank 1
     assert len(diff) == 1 and "graph forward S=1 Q=6 ctx=256" in diff[0] and "aten.add" in diff[0], diff
     monkeypatch.setattr(DistComm, "embed", orig)
-    ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None, select=lambda n: n.startswith("forward"))
+    ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
+                                   select=lambda n: n.startswith("forward"))
     assert final.endswith("rank_agnostic=yes"), final
 
 

@@ -144,6 +144,17 @@ class Settings:
     warm_processed: bool = setting(
         True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs, top-k / "
         "top-p) at start; false: at its first use", scope="group")
+    compiled_artifacts: str = setting(
+        "", "directory of the static graphs compiled ahead of time (`python -m v4flash_backend compile`; its "
+        "manifest.json): every rank loads its graphs from it by graph key and compiles none; empty: compile at "
+        "start", scope="group", path=True, env="V4FLASH_COMPILED_ARTIFACTS")
+    compile_on_miss: bool = setting(
+        True, "with compiled_artifacts: compile a graph the artifacts lack (true), or refuse to start, naming "
+        "it (false: the Neuron image)", scope="group")
+    warmup_timeout_s: float = setting(
+        3600.0, "a static group's warm-up: how long a rank waits at the control-plane barrier for every rank to "
+        "have compiled or loaded its graphs, and the collective timeout while they first run (after it: "
+        "collective_timeout_s)", scope="group", positive=True)
     # ---- group, Neuron launch (ops_backend nki): every rank's environment (trn2/launch.py) -------
     neuron_lnc: int = setting(
         2, "logical NeuronCore degree: every rank's NEURON_LOGICAL_NC_CONFIG, neuronx-cc's --lnc and the NKI "
@@ -281,10 +292,11 @@ class Settings:
     def graph_warmup_mode(self) -> str:
         """graph_warmup with its default resolved: background on a one-rank CPU server whose graphs
         compile (ready at once), start elsewhere (a Neuron server: its graphs come from the persistent
-        cache, and a group's graphs run as collectives)."""
+        cache or compiled_artifacts, and a group's graphs run as collectives)."""
         if self.graph_warmup:
             return self.graph_warmup
-        background = self._one_cpu_rank and self.decode_graph_mode == "static" and self.graph_backend_name != "none"
+        background = (self._one_cpu_rank and self.decode_graph_mode == "static" and self.graph_backend_name != "none"
+                      and not self.compiled_artifacts)
         return "background" if background else "start"
 
     @property

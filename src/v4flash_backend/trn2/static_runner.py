@@ -70,7 +70,7 @@ class StaticRunner(LocalRunner):
             pb = prefill_buckets(prefill_rows, max_len)
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
-            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock)
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock, label="prefill")
         # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
         # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
         # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
@@ -78,7 +78,8 @@ class StaticRunner(LocalRunner):
         if self.G:
             self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
             self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
-                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.graph_lock)
+                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.graph_lock,
+                                        label="plain")
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
         if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
             self.drafter = _HostDrafter(self.drafter, self)
@@ -95,6 +96,12 @@ class StaticRunner(LocalRunner):
             for proc in (False, True)[:1 + processed]:
                 self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
             bar.show(i + 1, f"plain decode {b}")
+
+    def set_artifacts(self, source) -> None:
+        """Load every graph by its key from `source` (a trn2.artifacts.ArtifactSource) instead of compiling it."""
+        for g in (self.graphs, self.ngraphs, self.pgraphs):
+            if g is not None:
+                g.artifacts = source
 
     @property
     def graphs_ready(self) -> bool:
