@@ -127,6 +127,18 @@ def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypa
     assert "NEURON_CC_FLAGS" not in str(e.value)
 
 
+def test_one_entry_point_compiles_for_every_bucket():
+    """Twelve buckets of one entry point (as the default settings' decode buckets): twelve dynamo cache
+    entries of one code object, past dynamo's default recompile limit of 8 (the 9th failed to compile)."""
+    def entry(ctx):
+        return lambda x: x[:ctx].sum() + ctx  # one code object, a bucket constant closed over
+
+    s = NeuronSettings(backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's default (an earlier compile raised it)
+        got = [compile_step(entry(c), s)(torch.ones(16)).item() for c in range(1, 13)]
+    assert got == [2.0 * c for c in range(1, 13)]
+
+
 def test_compile_step_refuses_host_syncs():
     s = NeuronSettings(backend="eager")
     ok = compile_step(lambda x: (x * 2).sum(), s)

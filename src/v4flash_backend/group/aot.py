@@ -141,6 +141,7 @@ class Job:
     group_max: int
     pipeline: int
     env: dict
+    ops_backend: str  # the kernels' custom ops the graph calls are registered for it (kernel_ops)
 
 
 def _compile_job(job: Job) -> tuple[str, float]:
@@ -150,6 +151,10 @@ def _compile_job(job: Job) -> tuple[str, float]:
     t0 = time.perf_counter()
     import torch.distributed as dist
     from torch._subclasses import FakeTensorMode
+
+    from v4flash_backend import ops
+
+    ops.set_backend(job.ops_backend)
 
     from v4flash_backend.trn2.artifacts import graph_from_source
 
@@ -218,7 +223,7 @@ def compile_graphs(settings: Settings, cfg, reader, tokenizer, out: Path, jobs: 
     for k in todo:
         name, gm, inputs = capture.graphs[k]
         work.append(Job(k, name, graph_source(gm, {v: k2 for k2, v in names.items()}), inputs, ns.backend, names,
-                        settings.world_size, gmax, settings.pipeline_parallel, env))
+                        settings.world_size, gmax, settings.pipeline_parallel, env, settings.ops_backend))
     done = 0
     if work:
         import multiprocessing

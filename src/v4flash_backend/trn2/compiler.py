@@ -30,6 +30,12 @@ from .launch import NeuronSettings
 from .static_step import graph_host_syncs
 
 COMPILER_ARGS = NeuronSettings().compiler_args  # the default neuronx-cc flags (trn2.launch builds them)
+# Every bucket's graph of one entry point is a dynamo cache entry of one code object (the function
+# closing over the bucket: StaticGraphs' round and verify functions), and dynamo stops at
+# recompile_limit entries per code object (8 in torch 2.13): the 9th bucket's compile failed
+# (fullgraph: FailOnRecompileLimitHit) -- 12 decode buckets by default. The served graphs' count is
+# bounded by the buckets (trn2.graphs.startup_graphs), far below this.
+RECOMPILE_LIMIT = 1024
 NEURON_BACKENDS = {"neuron": "torch_neuronx", "neuron_libtorch": "libtorch_neuronx_lite"}
 
 
@@ -117,6 +123,9 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
     import_neuron(s)
     if s.backend == "neuron":
         _check_cc_flags(s)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
     backend_config = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
