@@ -110,8 +110,7 @@ def trace(settings: Settings, cfg, reader, tokenizer, log=print) -> tuple[Captur
         hasher = EngramHasher.from_config(cfg, Tokenizer.from_file(str(tokenizer)))
     capture = Capture({})
     if W > 1:
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-
+        _register_fake_pg()
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=W)
     try:
         coll = make_groups(lay, timedelta(seconds=60), CONTROL_BACKEND) if W > 1 else None
@@ -127,6 +126,13 @@ def trace(settings: Settings, cfg, reader, tokenizer, log=print) -> tuple[Captur
     log(f"traced {len(capture.order)} start-up graphs of rank 0/{W} ({len(capture.graphs)} distinct) in "
         f"{time.perf_counter() - t0:.1f} s")
     return capture, time.perf_counter() - t0
+
+
+def _register_fake_pg() -> None:
+    """torch.distributed's "fake" backend (no communication: one process plays rank 0 of W)."""
+    import importlib
+
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
 
 
 @dataclass
@@ -155,6 +161,9 @@ def _compile_job(job: Job) -> tuple[str, float]:
     from v4flash_backend import ops
 
     ops.set_backend(job.ops_backend)
+    # one worker compiles many graphs, each through the same function of graph_from_source: without a
+    # reset they would pile up as dynamo cache entries of its one code object (limit: 8)
+    torch._dynamo.reset()
 
     from v4flash_backend.trn2.artifacts import graph_from_source
 
@@ -162,8 +171,7 @@ def _compile_job(job: Job) -> tuple[str, float]:
     for token, name in job.names.items():
         text = text.replace(repr(token), repr(name))
     if job.world > 1:  # the groups the graph names, as rank 0 has them
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
+        _register_fake_pg()
         from v4flash_backend.parallel.collectives import CONTROL_BACKEND, make_groups
         from v4flash_backend.parallel.layout import Layout
 
