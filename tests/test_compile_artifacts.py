@@ -195,3 +195,18 @@ def test_compile_once_then_every_rank_loads(small_ckpt, tmp_path):
     with pytest.raises(RankGroupError) as e:
         _serve(small_ckpt, sps, out)
     assert f"graph {victim['name']!r}: its artifact {victim['artifact']}" in str(e.value)
+
+
+def test_one_compile_worker_compiles_many_graphs():
+    """A compile worker process takes graph after graph (group.aot._compile_job): twelve in one process,
+    past dynamo's limit of 8 cache entries per code object (each graph runs through the same loader)."""
+    from v4flash_backend.group.aot import Job, _compile_job, _input_spec
+    from v4flash_backend.trn2.artifacts import graph_source
+
+    jobs = []
+    for k in range(12):
+        x = torch.randn(k + 1, 4)
+        (name, key, gm), _ = _capture(lambda x, k=k: (x * k).sum(-1), x)
+        jobs.append(Job(key, name, graph_source(gm, {}), [_input_spec(x)], "eager", {}, 1, 1, 1, {}, "torch"))
+    with torch._dynamo.config.patch(recompile_limit=8):  # a fresh worker's (compile_step raised it here)
+        assert [_compile_job(j)[0] for j in jobs] == [j.key for j in jobs]
