@@ -61,7 +61,8 @@ def _free_ports(n):
 
 def start_server(log_path: Path, timeout_s: float = 600.0):
     http_port, grpc_port, metrics_port = _free_ports(3)
-    env = dict(os.environ, HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port))
+    env = dict(os.environ, HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
+               OPENAI_PORT="off")  # no OpenAI frontend: serve.sh then execs tritonserver
     env.setdefault("SERVE_MAX_RESTARTS", "0")  # no figures from a server restarted mid-run
     log = open(log_path, "wb")
     proc = subprocess.Popen(["bash", str(ROOT / "scripts/serve.sh")], env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # AIPerf 0.13 (NVIDIA's successor of genai-perf) against a running server: v4flash_text through
-# AIPerf's generic template endpoint on Triton's HTTP generate_stream (SSE), streaming, fixed input
-# and output lengths (ignore_eos, no spread), then one summary line:
+# AIPerf's generic template endpoint on Triton's HTTP generate_stream (SSE), or (--openai) the
+# OpenAI frontend's /v1/chat/completions in AIPerf's OpenAI chat mode; streaming, fixed input and
+# output lengths (ignore_eos, no spread), then one summary line:
 #   aiperf: ttft_ms=<avg> itl_ms=<avg> output_tok_s=<avg> requests=<n> errors=<e>
 #
 #   make serve &                                   # wait for /v2/health/ready = 200
 #   perf/run_aiperf.sh --url http://127.0.0.1:8000 [extra aiperf profile args]
+#   perf/run_aiperf.sh --openai --url http://127.0.0.1:9000 [--api-key-file F] [extra args]
+#
+# In --openai mode the output tokens are the server's (usage, --use-server-token-count) and the key
+# (if the frontend asks for one: V4FLASH_OPENAI_KEY_FILE) is read from --api-key-file.
 #
 #   ISL (32) / OSL (32): prompt and output tokens per request; CONCURRENCY (2); REQUESTS (12);
 #   OUT (artifacts/aiperf): the artifact directory; AIPERF_VENV (/tmp/aiperf-venv): AIPerf's own
@@ -20,15 +25,19 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 URL=
+OPENAI=0
+KEY_FILE=
 extra=()
 while (($#)); do
     case $1 in
         --url) URL=$2; shift 2 ;;
         --url=*) URL=${1#--url=}; shift ;;
+        --openai) OPENAI=1; shift ;;
+        --api-key-file) KEY_FILE=$2; shift 2 ;;
         *) extra+=("$1"); shift ;;
     esac
 done
-[[ -n $URL ]] || { echo "usage: perf/run_aiperf.sh --url http://HOST:PORT [aiperf profile args]" >&2; exit 2; }
+[[ -n $URL ]] || { echo "usage: perf/run_aiperf.sh [--openai [--api-key-file F]] --url http://HOST:PORT [aiperf profile args]" >&2; exit 2; }
 AIPERF_VENV=${AIPERF_VENV:-/tmp/aiperf-venv}
 ISL=${ISL:-32}
 OSL=${OSL:-32}
@@ -46,15 +55,22 @@ if [[ ! -x $AIPERF_VENV/bin/aiperf ]]; then
     "$AIPERF_VENV/bin/pip" install -q "aiperf==0.13.*"
 fi
 
-# the template goes in a file: --extra-inputs splits an inline value at its commas (AIPerf reads a
-# payload_template that names a regular file, reached through no symlink, as the template)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd -P)
-template=$OUT/v4flash_text.template.json
-printf '{"text_input": {{ text|tojson }}, "max_tokens": %d, "ignore_eos": true, "stream": true}\n' "$OSL" >"$template"
-"$AIPERF_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" \
-    --endpoint-type template --custom-endpoint "/v2/models/$MODEL/generate_stream" --streaming \
-    --extra-inputs "payload_template:$template" --extra-inputs "response_field:text_output" \
+if ((OPENAI)); then
+    # the frontend's model name; ignore_eos (vLLM's extension) fixes the output length; usage counts it
+    MODEL=v4flash
+    endpoint=(--endpoint-type chat --streaming --extra-inputs ignore_eos:true --use-server-token-count)
+    [[ -n $KEY_FILE ]] && endpoint+=(--api-key "$(tr -d ' \t\r\n' <"$KEY_FILE")")
+else
+    # the template goes in a file: --extra-inputs splits an inline value at its commas (AIPerf reads a
+    # payload_template that names a regular file, reached through no symlink, as the template)
+    template=$OUT/v4flash_text.template.json
+    printf '{"text_input": {{ text|tojson }}, "max_tokens": %d, "ignore_eos": true, "stream": true}\n' "$OSL" >"$template"
+    endpoint=(--endpoint-type template --custom-endpoint "/v2/models/$MODEL/generate_stream" --streaming
+        --extra-inputs "payload_template:$template" --extra-inputs "response_field:text_output")
+fi
+"$AIPERF_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" "${endpoint[@]}" \
     --tokenizer "$TOKENIZER" --synthetic-input-tokens-mean "$ISL" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "$OSL" --output-tokens-stddev 0 \
     --concurrency "$CONCURRENCY" --request-count "$REQUESTS" --random-seed 7 \

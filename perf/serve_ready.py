@@ -54,7 +54,7 @@ def gauges(text: str) -> tuple[int, int] | None:
 def one_start(k: int, args, cache_dir: str | None) -> None:
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics),
-               SERVE_MAX_RESTARTS="0")
+               SERVE_MAX_RESTARTS="0", OPENAI_PORT="off")  # Triton's readiness alone
     env.pop("V4FLASH_CPU_DECODE_GRAPH", None)
     if cache_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir

@@ -4,6 +4,12 @@
 # HTTP_PORT, GRPC_PORT, METRICS_PORT). Ready when /v2/health/ready answers 200; Ctrl-C stops
 # it (the v4flash model's finalize() stops its rank group).
 #
+# Beside it, the OpenAI-compatible API on 127.0.0.1:$OPENAI_PORT (9000; OPENAI_PORT=off: none):
+# this script runs itself under scripts/serve_openai.sh, which starts the frontend and supervises
+# the two together (a dead frontend is restarted, a server that exits takes the frontend with it,
+# Ctrl-C stops both). V4FLASH_OPENAI_KEY_FILE=<file, mode 600>: clients must send its key
+# (Authorization: Bearer <key>).
+#
 #   scripts/serve.sh [extra tritonserver args]
 #
 # Supervision: when tritonserver dies of a signal (a crash: SIGSEGV, SIGABRT, SIGKILL by hand or
@@ -35,6 +41,18 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export MODEL_REPOSITORY=${MODEL_REPOSITORY:-$ROOT/model_repository}
 
+# (checked before anything starts: a missing or open key file stops here, frontend or not)
+restrict=()
+if [[ ${V4FLASH_RESTRICT_ADMIN:-0} == 1 ]]; then
+    # shellcheck source=scripts/triton_restrict.sh
+    source scripts/triton_restrict.sh
+    restrict_args "${V4FLASH_ADMIN_KEY_FILE:-}" || exit 1
+    restrict=("${RESTRICT_ARGS[@]}")
+fi
+
+# Under serve_openai.sh (below) this script runs a second time, for tritonserver alone: the setup,
+# the checkpoint and the environment are the first run's.
+if [[ -z ${V4FLASH_OPENAI_SUPERVISED:-} ]]; then
 # Setup is skipped when everything it makes is there (a quick check, so a running CI or a
 # second `make serve` does not touch pip); otherwise the Makefile's own targets do it.
 ready() {
@@ -67,15 +85,15 @@ export V4FLASH_STATE_DIR=${V4FLASH_STATE_DIR-$ROOT/.cache/state}
 # inductor's compiled graphs (the CPU default decode path) beside them, where a reboot keeps them
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/inductor}
 
-restrict=()
-if [[ ${V4FLASH_RESTRICT_ADMIN:-0} == 1 ]]; then
-    # shellcheck source=scripts/triton_restrict.sh
-    source scripts/triton_restrict.sh
-    restrict_args "${V4FLASH_ADMIN_KEY_FILE:-}" || exit 1
-    restrict=("${RESTRICT_ARGS[@]}")
-    echo "[serve] $RESTRICT_APIS restricted to requests with the header $RESTRICT_HEADER" >&2
+if [[ ${OPENAI_PORT:-9000} != off ]]; then
+    export V4FLASH_OPENAI_SUPERVISED=1
+    exec bash scripts/serve_openai.sh bash "$ROOT/scripts/serve.sh" "$@"
+fi
 fi
 
+if ((${#restrict[@]})); then
+    echo "[serve] $RESTRICT_APIS restricted to requests with the header $RESTRICT_HEADER" >&2
+fi
 echo "[serve] tritonserver on 127.0.0.1: http ${HTTP_PORT:-8000}, grpc ${GRPC_PORT:-8001}, metrics ${METRICS_PORT:-8002}; ready when http://127.0.0.1:${HTTP_PORT:-8000}/v2/health/ready answers 200" >&2
 max_restarts=${SERVE_MAX_RESTARTS:-5}
 if ((max_restarts <= 0)); then

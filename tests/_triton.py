@@ -62,10 +62,12 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
 def start_serve(repo, log_path, **env) -> tuple[subprocess.Popen, dict]:
     """scripts/serve.sh (what `make serve` runs) on the model repository `repo`, on three free loopback
     ports, stdout and stderr into log_path, in its own session (`stop` ends it); `env` adds or
-    overrides environment variables. With restarts off (conftest), serve.sh execs run_tritonserver.sh,
+    overrides environment variables. Without the OpenAI frontend (OPENAI_PORT off unless `env` names a
+    port: tests/test_openai_e2e.py) and with restarts off (conftest), serve.sh execs run_tritonserver.sh,
     which execs tritonserver: the process is the server. Returns it and {http, grpc, metrics (URL),
     log, http_port} -- not yet ready (`wait_ready`)."""
     http, grpc, metrics = free_ports(3)
+    env.setdefault("OPENAI_PORT", "off")
     full = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http), GRPC_PORT=str(grpc),
                 METRICS_PORT=str(metrics), **env)
     full.pop("V4FLASH_CHECKPOINT_DIR", None)  # the repository's checkpoint_dir parameter decides

@@ -31,6 +31,25 @@ def golden_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemm_level(golden_dir):
+    """Which golden level this machine and GEMM order are held to (checks/gemm_probe.py): 'bits' where
+    its fp32 GEMM reproduces the reference's own bits, else 'strict'."""
+    from v4flash_backend.checks.gemm_probe import probe
+
+    return probe(golden_dir)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every run says which golden level it checked (the probe is ~1 s; the controller of an xdist run
+    does not see the workers' fixtures, so it probes itself, in the same environment)."""
+    if (GOLDEN / "config.json").exists() and any(
+            "test_golden.py" in r.nodeid for k in ("passed", "failed") for r in terminalreporter.stats.get(k, [])):
+        from v4flash_backend.checks.gemm_probe import probe
+
+        terminalreporter.write_line(f"golden level checked: {probe(GOLDEN).line()}")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(golden_dir):
     from v4flash_backend import ops
     from v4flash_backend.model.loading import load_model
@@ -47,9 +66,15 @@ def _default_ops():
 
     ops.set_backend("torch")
     ops.set_numerics("exact")
+    ops.set_gemm_order(_GEMM_ORDER)
     yield
     ops.set_backend("torch")
     ops.set_numerics("exact")
+    ops.set_gemm_order(_GEMM_ORDER)
+
+
+# the GEMM order of this run ($V4FLASH_GEMM_ORDER: the platform's, or `make test`'s second order)
+_GEMM_ORDER = os.environ.get("V4FLASH_GEMM_ORDER", "platform")
 
 
 # A 4-layer model with every block type of V4.1 (window-only layer 0, Engram before layers 1 and 2,

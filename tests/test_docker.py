@@ -119,10 +119,39 @@ def test_neuron_image_installs_the_neuron_stack():
     for key in ("world_size", "ops_backend", "startup_timeout_s"):
         assert re.search(rf'key: "{key}".*string_value: "[a-z0-9.-]+"', cfg), key
     cmd = json.loads([a for i, a in ins if i == "CMD"][-1])  # the last CMD (HEALTHCHECK's is inline)
-    # tritonserver through the wrapper that restricts the admin protocols (tests/test_triton_restrict.py)
-    assert cmd[:2] == ["bash", "/opt/v4flash/scripts/tritonserver_restricted.sh"]
+    # tritonserver through the wrapper that restricts the admin protocols (tests/test_triton_restrict.py),
+    # under the supervisor that runs the OpenAI frontend beside it (tests/test_serve_openai.py)
+    assert cmd[:4] == ["bash", "/opt/v4flash/scripts/serve_openai.sh",
+                       "bash", "/opt/v4flash/scripts/tritonserver_restricted.sh"]
     assert "--model-repository=/opt/v4flash/model_repository" in cmd
     assert (REPO / "scripts" / "tritonserver_restricted.sh").exists()
+
+
+def _requirement_names(specs) -> set[str]:
+    return {re.split(r"[<>=!~\[ ]", s.strip().strip('"'), maxsplit=1)[0].lower() for s in specs}
+
+
+def test_both_images_serve_the_openai_api():
+    """The OpenAI frontend is in both images: the CPU image's `make serve` runs serve.sh, which runs itself
+    under serve_openai.sh; the Neuron image's command is serve_openai.sh around tritonserver. Port 9000
+    is exposed, and the Neuron image (which installs dependencies by hand) installs every runtime
+    dependency of pyproject.toml but torch (its own Neuron build) and the gRPC client the frontend talks
+    through."""
+    import tomllib
+
+    serve = (REPO / "scripts" / "serve.sh").read_text()
+    assert re.search(r'exec bash scripts/serve_openai.sh bash "\$ROOT/scripts/serve.sh"', serve)
+    for name in ("Dockerfile.cpu", "Dockerfile.neuron"):
+        exposed = " ".join(a for i, a in instructions(DOCKER / name) if i == "EXPOSE").split()
+        assert "9000" in exposed, name
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    want = _requirement_names(deps) - {"torch"}
+    assert {"fastapi", "uvicorn", "pydantic", "jinja2"} <= want
+    runs = [a for i, a in instructions(DOCKER / "Dockerfile.neuron") if i == "RUN"]
+    install = next(a for a in runs if "pip install --no-deps /opt/v4flash" in a)
+    installed = _requirement_names(re.findall(r'"([^"]+)"', install))
+    assert want <= installed, sorted(want - installed)
+    assert {"tritonclient", "grpcio", "protobuf"} <= installed
 
 
 def _env(ins) -> dict:

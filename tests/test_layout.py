@@ -8,6 +8,8 @@
 - importing the serving side (what the Triton models load) loads no training module;
 - the op seam's functions are written out (go-to-definition works) with the reference's signatures.
 - no module of the package over 500 lines; the socket protocol built by its one module;
+- openai_api/ (the OpenAI frontend) imports nothing of the package outside itself, and loading it
+  loads neither another module of the package nor torch;
 - engine/ imports nothing from trn2/ (the round plan types the engine builds and reads are its own,
   `engine.round_plan`, which imports nothing but the dtype policy and the sampling constants), and no
   module but those types reads a packed column of a round's read-back.
@@ -27,7 +29,11 @@ PKG = REPO / "src" / "v4flash_backend"
 
 # Layer order: a module may import its own layer or any layer listed before it.
 LAYERS = ["config", "settings_values", "settings", "request", "formats", "kernels", "ops", "model", "parallel",
-          "engine", "trn2", "group", "serving", "checks", "training", "cli", "client", "__main__", "__init__"]
+          "engine", "trn2", "group", "serving", "checks", "training", "cli", "client", "openai_api", "__main__",
+          "__init__"]
+# the OpenAI frontend stands beside tritonserver: it imports nothing of the package outside itself
+# (no engine, no model, no second tokenizer; it talks to Triton over gRPC)
+FRONTEND = "v4flash_backend.openai_api"
 
 
 def module_name(path: Path) -> str:
@@ -198,6 +204,28 @@ def test_serving_loads_no_training_module():
                        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def frontend_leaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of openai_api/ modules that reach outside openai_api/."""
+    return sorted((a, b) for a, bs in graph.items() if a.startswith(FRONTEND) for b in bs
+                  if not b.startswith(FRONTEND))
+
+
+def test_the_openai_frontend_imports_nothing_of_the_package_outside_itself():
+    g = import_graph()
+    assert "v4flash_backend.openai_api.triton" in g["v4flash_backend.openai_api.app"]  # the walk sees its edges
+    assert frontend_leaks(g) == []
+    g["v4flash_backend.openai_api.triton"].add("v4flash_backend.client")  # a deliberate violation is caught
+    assert frontend_leaks(g) == [("v4flash_backend.openai_api.triton", "v4flash_backend.client")]
+    # at run time too: the app, its chat formats and its command load nothing else of the package
+    code = ("import sys, v4flash_backend.openai_api.app, v4flash_backend.openai_api.__main__\n"
+            "print(sorted(m for m in sys.modules if m.startswith('v4flash_backend') "
+            "and not m.startswith('v4flash_backend.openai_api')), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['v4flash_backend'] False"
 
 
 def test_op_functions_are_explicit_with_the_reference_signatures():

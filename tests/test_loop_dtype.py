@@ -7,8 +7,9 @@
   Markov drafting, acceptance, residual, calibrated confidence, admission, log-probs, penalties), and
   a static decode round makes none inside its graphs; eager and static serving commit the same tokens,
   log-probs and admissions at T = 0.8 with a seed (exact equality: the same fp32 ops on the same
-  values). The round inputs are given in the loop dtype and the seed as int32 words, the form
-  trn2/neuron.py's round_inputs is to build (this test casts them until it does).
+  values, the forward's GEMMs in the row-invariant order: see the test). The round inputs are given
+  in the loop dtype and the seed as int32 words, the form trn2/static_runner.py's round_inputs is to build
+  (this test casts them until it does).
 - Captured by dynamo (fullgraph), the static loop forms (Markov drafting, verification, residual,
   noise, calibrated confidence, admission, log-probs, the read-back pack) hold no float64 node under
   the fp32 loop, and the noise graph over int32 seed words no 64-bit integer either.
@@ -48,16 +49,17 @@ HOST_F64 = ("calibration.py",)
 class F64Recorder(TorchDispatchMode):
     """Where float64 tensors are made while active (the v4flash frames of each op's stack)."""
 
-    def __init__(self):
+    def __init__(self, allow_fns: tuple = ()):
         super().__init__()
         self.where = []
+        self.allow_fns = allow_fns  # v4flash functions inside which float64 is allowed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in pytree.tree_leaves(out)):
-            frames = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
-                      if "v4flash_backend" in f.filename]
-            if not any(f.startswith(HOST_F64) for f in frames):
+            stack = [f for f in traceback.extract_stack() if "v4flash_backend" in f.filename]
+            frames = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in stack]
+            if not any(f.startswith(HOST_F64) for f in frames) and not any(f.name in self.allow_fns for f in stack):
                 self.where.append((str(func), frames[-3:]))
         return out
 
@@ -133,7 +135,7 @@ def _run(runner, mode, rec=None):
 
 
 def _loop_dtype_inputs(sr: StaticRunner) -> None:
-    """The round inputs as the dtype policy has them (trn2/neuron.py's part: float inputs and the
+    """The round inputs as the dtype policy has them (trn2/static_runner.py's part: float inputs and the
     penalty counts in the loop dtype, the seed as int32 words, the round counter int32)."""
     orig = sr.round_inputs
 
@@ -147,16 +149,25 @@ def _loop_dtype_inputs(sr: StaticRunner) -> None:
     sr.blocks.counts = sr.blocks.counts.to(loop_dtype())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["dspark", pytest.param("fixed", marks=pytest.mark.slow)])
 def test_fp32_loop_eager_equals_static_and_makes_no_float64(tiny_model, mode):
+    """The fp32 loop, eager steps against the static rounds. The forward's GEMMs run in the 'invariant'
+    order (ops.GEMM_ORDERS: fp64 accumulation rounded to fp32 once): an eager step and a round GEMM
+    different row counts, and in the platform's own order MKL picks its kernel by the row count on an
+    Intel CPU (fewer than ~6 rows take another kernel), so the same fp32 forward then differs in its last
+    bits between the two paths and no equality holds on every CPU (seen there: the same tokens, log-probs
+    an ulp or more apart). The loop itself -- this test's subject -- is fp32 in both orders, and the
+    recorder allows float64 only inside those GEMMs (`matmul_f32`)."""
     ops.set_numerics("reference")
+    ops.set_gemm_order("invariant")
     assert loop_dtype() == torch.float32
-    rec = F64Recorder()
+    rec = F64Recorder(allow_fns=("matmul_f32",))
     want, est = _run(LocalRunner(tiny_model, 4, 64), mode, rec)
     assert rec.where == [], rec.where[:5]  # eager decode steps: no float64 anywhere in the loop
     sr = StaticRunner(tiny_model, 3, 64, settings=NeuronSettings(backend="none"))
     _loop_dtype_inputs(sr)
-    rec = F64Recorder()
+    rec = F64Recorder(allow_fns=("matmul_f32",))
     graphs = sr.graphs.round
 
     def recorded_round(*a, **k):

@@ -139,6 +139,7 @@ def wn(request, tmp_path_factory):
 
 
 # ---- distributed forward against W = 1 ----------------------------------------------------------------
+@pytest.mark.numerics
 def test_layer_replay_passes_strict_criteria(wn):
     W, res, w1 = wn
     rep = res["replay"]
@@ -151,6 +152,7 @@ def _agreement(mine: torch.Tensor, ref: torch.Tensor):
     return (mine - ref).abs().max().item(), cos, int((mine.argmax(-1) == ref.argmax(-1)).sum())
 
 
+@pytest.mark.numerics
 def test_end_to_end_logits_at_least_as_close_as_reference_w4(wn):
     from safetensors import safe_open
 
@@ -164,6 +166,7 @@ def test_end_to_end_logits_at_least_as_close_as_reference_w4(wn):
                 assert d <= d_ref and cos >= cos_ref and top >= top_ref, (W, c, q, d, cos, top, d_ref, cos_ref, top_ref)
 
 
+@pytest.mark.numerics
 def test_exact_numerics_are_bit_identical_to_w1(wn):
     W, res, w1 = wn
     for k in ("exact.batched_prefill", "exact.decode2", "exact.first_token", "exact.draft_U",

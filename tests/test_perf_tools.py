@@ -41,3 +41,19 @@ def test_perf_summary_of_a_profile_export():
     table = perf.format_table([r])
     assert "150.0/190.0/199.0" in table and "3/15 (20%)" in table and "(1 failed)" in table
     assert perf.parse_levels("1:8:2") == [1, 3, 5, 7] and perf.parse_levels("1,2,4") == [1, 2, 4]
+
+
+# ---- perf/openai_overhead.py: the ratio line ----------------------------------------------------
+def test_openai_overhead_ratios_are_medians_over_rounds():
+    spec = importlib.util.spec_from_file_location("openai_overhead", REPO / "perf" / "openai_overhead.py")
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    rounds = [  # per round: the OpenAI way's median over Triton's, for TTFT and ITL
+        {"triton_ttft": [1.0, 2.0, 3.0], "openai_ttft": [1.1, 2.2, 9.0], "triton_itl": [0.1, 0.2],
+         "openai_itl": [0.1, 0.2]},  # medians 2.2 / 2.0 = 1.1; 0.15 / 0.15 = 1.0
+        {"triton_ttft": [2.0], "openai_ttft": [2.5], "triton_itl": [0.1], "openai_itl": [0.12]},  # 1.25; 1.2
+        {"triton_ttft": [4.0], "openai_ttft": [4.0], "triton_itl": [0.2], "openai_itl": [0.21]},  # 1.0; 1.05
+    ]
+    ttft, itl, spread = perf.ratio_summary(rounds)
+    assert ttft == pytest.approx(1.1) and itl == pytest.approx(1.05)
+    assert spread == "rounds=3 ttft_ratio min-max 1.000-1.250 itl_ratio min-max 1.000-1.200"

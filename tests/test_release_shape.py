@@ -222,6 +222,20 @@ def test_release_check_on_the_golden_tiny_config(tmp_path, golden_dir):
     k_ok, k_all = map(int, fields["kernels_ok"].split("/"))
     assert k_all == 16 and k_ok == k_all and ok  # tiny dims fit everywhere
     assert 0 < float(fields["max_sbuf_kib"]) <= 192
+    # engine time per decode step (verify S=1 at the smallest context + draft), per kernel family: the
+    # routed experts run as the static graph's form 'all', every local expert's w1, w3, w2 per MoE layer
+    import re
+
+    kt = {x.split(":")[0][len("kernel-time "):]: x for x in lines if x.startswith("kernel-time ")}
+    step = kt.pop(next(k for k in kt if k.startswith("step ")))
+    assert "(verify S=1 Q=6 ctx=256 + draft S=1 Q=6)" in step and "unpriced_calls=0" in step
+    calls = {k: int(re.search(r"calls_per_step=(\d+)", v).group(1)) for k, v in kt.items()}
+    cfg = ModelConfig.from_json(d / "config.json")
+    assert calls["linear_fp4"] == 3 * (cfg.n_layers * cfg.n_routed_experts // 2
+                                       + cfg.n_mtp_layers * cfg.dspark_n_routed_experts // 2)
+    assert sum(calls.values()) == int(re.search(r" calls=(\d+)", step).group(1))
+    engine, call = (float(re.search(rf"{k}=([\d.]+)", step).group(1)) for k in ("engine_ms", "call_ms"))
+    assert 0 < engine < call  # each call adds its two DMA latencies
 
 
 @pytest.mark.parametrize("which", ["release", "golden"])

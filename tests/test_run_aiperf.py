@@ -66,3 +66,21 @@ def test_the_url_is_required(tmp_path):
     r = subprocess.run(["bash", str(REPO / "perf" / "run_aiperf.sh")], capture_output=True, text=True, timeout=30,
                        env=dict(os.environ, AIPERF_VENV=str(tmp_path / "none")))
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_the_openai_mode_profiles_chat_completions_with_the_key(tmp_path):
+    venv, out, args_file = _fake_venv(tmp_path), tmp_path / "out", tmp_path / "args"
+    key = tmp_path / "key"
+    key.write_text("k" * 20 + "\n")
+    env = dict(os.environ, AIPERF_VENV=str(venv), OUT=str(out), ARGS_FILE=str(args_file), OSL="16")
+    r = subprocess.run(["bash", str(REPO / "perf" / "run_aiperf.sh"), "--openai", "--api-key-file", str(key),
+                        "--url", "http://127.0.0.1:19000"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("aiperf: ttft_ms=462.18 ")
+    args = args_file.read_text().splitlines()
+    opt = {a: args[k + 1] for k, a in enumerate(args[:-1]) if a.startswith("--")}
+    assert opt["--endpoint-type"] == "chat" and opt["--model"] == "v4flash" and "--streaming" in args
+    assert opt["--url"] == "http://127.0.0.1:19000" and opt["--api-key"] == "k" * 20
+    assert "--use-server-token-count" in args and "--custom-endpoint" not in args
+    assert [args[k + 1] for k, a in enumerate(args) if a == "--extra-inputs"] == ["ignore_eos:true"]
+    assert (opt["--output-tokens-mean"], opt["--output-tokens-stddev"]) == ("16", "0")

@@ -240,6 +240,24 @@ def test_empty_text_is_refused_even_when_the_tokenizer_adds_bos():
     assert p.parse({"text_input": np.array([b" "], dtype=object)}).prompt == [0, 32]
 
 
+def test_add_special_tokens_input_picks_the_tokenization_of_text_input():
+    """The add_special_tokens input (the OpenAI frontend sends false for a chat prompt its template
+    already began with BOS) reaches the tokenizer; absent, the model's own setting applies."""
+    calls = []
+
+    def tokenize(text, add=True):  # the model's setting: with BOS
+        calls.append(add)
+        return ([0] if add else []) + [ord(c) for c in text]
+
+    p = parser(tokenize=tokenize)
+    text = {"text_input": np.array([b"ab"], dtype=object)}
+    assert p.parse(text).prompt == [0, 97, 98]
+    assert p.parse(dict(text, add_special_tokens=np.array([False]))).prompt == [97, 98]
+    assert p.parse(dict(text, add_special_tokens=np.array([True]))).prompt == [0, 97, 98]
+    assert calls == [True, False, True]
+    bad(dict(text, add_special_tokens=np.array([1], dtype=np.int32)), "add_special_tokens must be BOOL", p=p)
+
+
 def test_the_ensemble_preprocessing_refuses_empty_text_too():
     """The embedded model's tokenizer makes "" a BOS-only prompt; the v4flash_text ensemble's
     preprocessing step refuses it like the v4flash model does."""

@@ -7,8 +7,10 @@ single-partition indirect DMA, `raise` in a kernel, reads of memory that was nev
 partly unwritten, and the documented trn2 rules of `_rules` (dtype policy per target, no divide, fp32
 arithmetic ALU, indirect-DMA stride from the base tensor, start partitions, Tensor Engine tile placement,
 PSUM banks and the live SBUF / PSUM footprint, grid = LNC degree, accumulate semantics, shared_hbm races
-between the programs of a grid). It does not model timing or engine overlap; its float32 math follows
-IEEE / torch CPU rounding unless `device_like()` perturbs it within the documented precision.
+between the programs of a grid). Every instruction it runs is charged to its engine and every DMA to
+the core's queues (`_cost`: the NKI guides' per-instruction costs and clocks, a stated overlap rule; a
+model of engine time, read from `_runtime.last_cost`); its float32 math follows IEEE / torch CPU
+rounding unless `device_like()` perturbs it within the documented precision.
 """
 
 import sys

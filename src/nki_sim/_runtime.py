@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 
+from . import _cost as C
 from . import _dtypes as D
 from . import _rules as RU
 from . import _tensor as T
@@ -22,6 +23,7 @@ from ._errors import SimError
 
 _current = None  # the active _Launch
 last_peaks = []  # [(peak live SBUF bytes per partition, peak live PSUM banks)] per program of the last launch
+last_cost = None  # _cost.CallCost of the last launch (its programs' ledgers)
 
 
 class _Launch:
@@ -33,6 +35,8 @@ class _Launch:
         self.act_regs = None  # Scalar Engine reduce registers (None = never reset)
         self.footprint = RU.Footprint()  # live SBUF / PSUM of the running program (_rules R8)
         self.peaks = []  # (peak SBUF bytes per partition, peak PSUM banks) of every finished program
+        self.ledger = None  # _cost.Ledger of the running program (engine time, DMA bytes)
+        self.ledgers = []
 
 
 def current():
@@ -173,12 +177,15 @@ def launch(fn, grid, args, kwargs):
             for pid in range(grid):
                 state.pid, state.n_shared, state.act_regs = pid, 0, None
                 state.footprint = RU.Footprint()
+                state.ledger = C.Ledger()
+                state.ledgers.append(state.ledger)
                 results.append(fn(*wrapped, **kw))
                 state.peaks.append((state.footprint.peak_sbuf, state.footprint.peak_psum_banks))
     finally:
         _current = None
-        global last_peaks
+        global last_peaks, last_cost
         last_peaks = state.peaks
+        last_cost = C.CallCost(state.ledgers)
     out = results[0]
     if out is None:  # a kernel without outputs (all programs must agree)
         if any(r is not None for r in results):

@@ -531,3 +531,8 @@ def memset(dst, value, engine=engine.unknown, name=None):
         _write(dst, np.full(dst.shape, int(value), dst.dtype))
     else:
         _store(dst, np.full(dst.shape, np.float32(value)))
+
+
+from . import _cost as _C  # noqa: E402  (after the definitions it wraps)
+
+_C.instrument(globals())  # every instruction charges its engine time (see _cost)

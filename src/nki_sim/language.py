@@ -3,6 +3,7 @@ operator tokens passed to nki.isa instructions."""
 
 import numpy as np
 
+from . import _cost as C
 from . import _dtypes as D
 from . import _runtime as R
 from ._errors import SimError
@@ -42,6 +43,7 @@ def _filled(shape, dtype, buffer, name, value):
     dt = t.dtype
     t._data()[...] = D.from_f32(np.full(t.shape, np.float32(value)), dt)
     t._mask()[...] = True
+    C.fill(t, value)
     return t
 
 

@@ -18,6 +18,7 @@ Subpackages, in layer order (each imports only those above it; DESIGN.md section
     checks/                     golden-check against the official reference's fixtures
     training/                   builds the embedded model (never imported by serving)
     cli, client                 `python -m v4flash_backend ...`; the Triton gRPC client
+    openai_api/                 the OpenAI-compatible API beside tritonserver (imports nothing above)
 
 `tests/test_layout.py` checks the import order and that serving loads no training module.
 """

@@ -34,6 +34,7 @@ def cmd_golden(args) -> int:
             print(line)
     if rep.failures:
         print(f"{len(rep.failures)} check(s) failed", file=sys.stderr)
+    print(rep.level_line)
     print(final)
     return 0 if ok else 1
 

@@ -16,6 +16,7 @@ to the compiler) and PSUM 16 KiB per partition = 8 banks of 2 KiB.
 from __future__ import annotations
 
 import time
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Launch:
     peak_sbuf: int  # bytes per partition
     peak_psum: int  # bytes per partition of whole PSUM banks (peak_banks x 2 KiB)
     peak_banks: int
+    cost: dict | None = None  # the simulator's engine-time ledger of the launch (nki_sim._cost.CallCost)
 
 
 @contextmanager
@@ -67,13 +69,14 @@ def measuring():
     orig_launch = R.launch
 
     def launch(fn, grid, args, kwargs):
-        R.last_peaks = []
+        R.last_peaks, R.last_cost = [], None
         try:
             return orig_launch(fn, grid, args, kwargs)
         finally:  # a launch that raised reports the programs that finished
             sbuf = max((p[0] for p in R.last_peaks), default=0)
             banks = max((p[1] for p in R.last_peaks), default=0)
-            launches.append(Launch(getattr(fn, "__name__", "kernel"), sbuf, banks * PSUM_BANK, banks))
+            cost = R.last_cost.as_dict() if R.last_cost is not None else None
+            launches.append(Launch(getattr(fn, "__name__", "kernel"), sbuf, banks * PSUM_BANK, banks, cost))
 
     R.launch = launch
     try:
@@ -144,10 +147,22 @@ def _describe(op, sig) -> str:
     return f"{op}({', '.join(parts)})"
 
 
-def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]:
+def add_costs(a: dict | None, b: dict | None) -> dict | None:
+    """Two engine-time ledgers (`Launch.cost`) of launches that run one after the other."""
+    if a is None or b is None:
+        return a or b
+    out = {k: a[k] + b[k] for k in ("call_ns", "compute_ns", "engine_ns", "dma_ns", "dma_bytes", "hbm_bytes",
+                                    "dma_transfers")}
+    for k in ("per_engine_ns", "instructions"):
+        out[k] = {e: a[k][e] + b[k][e] for e in a[k]}
+    return out
+
+
+def check_kernels(calls: dict, log=None, grid: int = GRID, costs: dict | None = None) -> list[KernelResult]:
     """Run every recorded op call {op: {signature}} (see `release._OpRecorder`) on the nki-sim backend
     with fresh inputs of those shapes; one KernelResult per kernel of `kernels.KERNELS` (a kernel no
-    call reaches counts as not ok: unmeasured)."""
+    call reaches counts as not ok: unmeasured). `costs`, if given, receives {(op, signature): the
+    engine-time ledger of the call} (summed over its launches; `nki_sim._cost`)."""
     import os
 
     from v4flash_backend import kernels, ops
@@ -172,6 +187,9 @@ def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]
                     except Exception as e:  # noqa: BLE001 - any refusal of the simulator is a result
                         err = f"{type(e).__name__}: {str(e)[:200]}"
                     dt = time.perf_counter() - t0
+                    if costs is not None and not err:
+                        for la in launches[n0:]:
+                            costs[(op, sig)] = add_costs(costs.get((op, sig)), la.cost)
                     for la in launches[n0:] or [Launch(op, 0, 0, 0)]:
                         r = res.setdefault(la.kernel, KernelResult(la.kernel))
                         r.launches += 1
@@ -201,6 +219,51 @@ def check_kernels(calls: dict, log=None, grid: int = GRID) -> list[KernelResult]
                 f"(budget {SBUF_BUDGET // 1024}) peak_psum_kib={r.peak_psum / 1024:.1f} banks={r.peak_banks}/"
                 f"{PSUM_BANKS} worst={r.worst} {r.seconds:.1f}s")
     return out
+
+
+# ---- engine time per decode step -------------------------------------------------------------
+def price(counts: Counter, costs: dict) -> dict:
+    """{family: calls, engine_ns, call_ns, dma_ns, hbm_bytes} of one graph's calls (counts x ledgers),
+    plus 'unpriced': calls whose kernel did not run."""
+    fam: dict = defaultdict(lambda: {"calls": 0, "engine_ns": 0.0, "call_ns": 0.0, "dma_ns": 0.0,
+                                     "hbm_bytes": 0})
+    missing = 0
+    for (op, sig), n in counts.items():
+        c = costs.get((op, sig))
+        if c is None:
+            missing += n
+            continue
+        f = fam[op]
+        f["calls"] += n
+        for k in ("engine_ns", "call_ns", "dma_ns", "hbm_bytes"):
+            f[k] += n * c[k]
+    out = {k: dict(v) for k, v in sorted(fam.items())}
+    out["unpriced"] = missing
+    return out
+
+
+def step_lines(counts: dict, costs: dict, graphs: list[str], label: str) -> list[str]:
+    """`kernel-time` lines: per op family, its calls and engine time summed over `graphs` (one decode
+    step; counts: {graph: Counter of (op, signature)}), and a total; call_us follows the overlap rule
+    of `nki_sim._cost`, engine_us is the busiest engine alone."""
+    total: Counter = Counter()
+    for g in graphs:
+        total.update(counts.get(g, Counter()))
+    fams = price(total, costs)
+    lines = []
+    for op, f in fams.items():
+        if op == "unpriced":
+            continue
+        lines.append(f"kernel-time {op}: calls_per_step={f['calls']} engine_us={f['engine_ns'] / 1e3:.1f} "
+                     f"call_us={f['call_ns'] / 1e3:.1f} dma_us={f['dma_ns'] / 1e3:.1f} "
+                     f"hbm_mib={f['hbm_bytes'] / 2 ** 20:.1f}")
+    e = sum(f["engine_ns"] for k, f in fams.items() if k != "unpriced")
+    c = sum(f["call_ns"] for k, f in fams.items() if k != "unpriced")
+    n = sum(f["calls"] for k, f in fams.items() if k != "unpriced")
+    lines.append(f"kernel-time step ({label}): calls={n} engine_ms={e / 1e6:.2f} call_ms={c / 1e6:.2f} "
+                 f"unpriced_calls={fams['unpriced']} (nki_sim engine model: busiest engine + 2 DMA latencies "
+                 "per call; a model, not a measurement)")
+    return lines
 
 
 # ---- the linears at a prefill row block ---------------------------------------------------------------

@@ -46,7 +46,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,6 +274,9 @@ class _OpRecorder:
     def __init__(self):
         self.calls: dict[str, set] = defaultdict(set)
         self.on = True
+        self.graph = None  # the graph being traced: `counts` holds its calls per (op, signature)
+        self.counts: dict = defaultdict(Counter)
+        self.depth = 0  # > 0 inside an op (its torch implementation's own calls are not the graph's)
 
     @contextmanager
     def active(self):
@@ -284,11 +287,16 @@ class _OpRecorder:
 
         def wrap(name, fn):
             def wrapped(*args, **kwargs):
-                if self.on:
+                if self.on and not self.depth:
                     sig = tuple(footprint.arg_sig(a) for a in args) + tuple(
                         (k, footprint.arg_sig(v)) for k, v in sorted(kwargs.items()))
                     self.calls[name].add(sig)
-                return fn(*args, **kwargs)
+                    self.counts[self.graph][(name, sig)] += 1
+                self.depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.depth -= 1
             return wrapped
 
         for name, fn in saved.items():
@@ -332,6 +340,7 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
     draft_done = set()
 
     def run(name, fn):
+        recorder.graph = name
         res = trace_one(name, fn)
         results.append(res)
         if log:
@@ -359,6 +368,17 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
 
     torch_ops._cache._d.clear()  # dequantized meta weights of the trace
     return results
+
+
+def _engine_time_lines(rec: _OpRecorder, costs: dict) -> list[str]:
+    """Per kernel family, its engine time in one decode step: the verify graph of the one-sequence
+    bucket with the smallest context bound and its draft graph (`checks.engine_time`)."""
+    verify = sorted((g for g in rec.counts if g and g.startswith("verify S=1 ")),
+                    key=lambda g: int(g.rsplit("ctx=", 1)[1]))
+    if not verify:
+        return []
+    graphs = [verify[0]] + [g for g in rec.counts if g and g.startswith("draft S=1 ")][:1]
+    return footprint.step_lines(rec.counts, costs, graphs, " + ".join(graphs))
 
 
 # ---- the command ------------------------------------------------------------------------------------
@@ -406,7 +426,11 @@ def release_check(config: str, world: int, rank: int, checkpoint: str | None = N
         if op_calls:
             Path(op_calls).write_text(json.dumps({op: sorted(repr(sig) for sig in sigs)
                                                   for op, sigs in sorted(rec.calls.items())}, indent=0))
-        kres = footprint.check_kernels(rec.calls, log=log) if kernels else []
+        costs: dict = {}
+        kres = footprint.check_kernels(rec.calls, log=log, costs=costs) if kernels else []
+        if kernels:
+            for line in _engine_time_lines(rec, costs):
+                log(line)
     finally:
         ops.set_backend("torch")
         if tmp is not None:

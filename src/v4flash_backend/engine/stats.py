@@ -43,7 +43,8 @@ class EngineStats:
                 d = dict(self.totals)
                 n = self.settings.max_num_seqs
                 d.update(waiting=len(self.waiting), running=len(self.running),
-                         slots_in_use=n - len(self.free), slots_total=n)
+                         slots_in_use=n - len(self.free), slots_total=n,
+                         waiting_limit=self.settings.max_queue_size)
         finally:
             if got:
                 self.step_lock.release()
@@ -62,6 +63,8 @@ class EngineStats:
                  plain_decode_rounds=c.get("plain_decode_rounds", 0),
                  # a background compile's progress (trn2.warmup): graph sets warm, of all
                  warmup_done=c.get("warmup_done"), warmup_total=c.get("warmup_total"),
+                 warmup_rss_bytes=(self.runner.exec_lock.compile_rss_bytes()
+                                   if hasattr(self.runner.exec_lock, "compile_rss_bytes") else None),
                  graphs_per_step=dt["graph_executions"] / n if n else 0.0,
                  graphs_per_prefill_step=(dt["prefill_step_graph_executions"] / dt["prefill_steps"]
                                           if dt["prefill_steps"] else 0.0),

@@ -392,6 +392,9 @@ def main(argv=None) -> int:
         code = 0
     else:
         code = _serve_rank0(args, settings, lay, coll, local, pids, secret)
+    warming = getattr(local, "warming", None)
+    if warming is not None and not warming.close():  # trn2.warmup: no thread of ours inside torch at exit
+        _log(rank, "the background compile did not stop within 10 s")
     if lay.world > 1 and code == 0:
         import torch.distributed as dist
 
@@ -449,4 +452,12 @@ def _serve_rank0(args, settings, lay, coll, local, pids, secret: bytes | None = 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leave without the interpreter's finalization: CPython 3.11 kills a daemon thread that is still
+    # inside a C++ call then (pthread_exit; its forced unwind through a catch-all C++ frame aborts the
+    # process: SIGABRT, and torchrun reports the group failed). Our own threads are stopped above
+    # (the background compile) or hold no torch call (the socket server's); this covers the ones of
+    # the libraries beneath (inductor's, dynamo's). The process group is already destroyed.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

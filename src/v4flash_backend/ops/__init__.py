@@ -54,6 +54,33 @@ def get_numerics() -> str:
     return _numerics
 
 
+# The summation order of the torch backend's fp32 and bf16 GEMMs under 'reference' numerics (exact
+# numerics accumulate in fp64 and do not depend on it). 'platform': the BLAS's own kernels -- MKL on
+# x86, whose kernel, and so whose order, depends on the CPU (its Intel paths against the generic one
+# AMD CPUs get) and on the row count; the golden fixture's bits are those of one such path.
+# 'split-k': every projection GEMM as two half-K GEMMs summed, an order that differs from the
+# platform's on any CPU: `make test` reruns the numerics tests under it where MKL offers no second
+# path of its own (checks/gemm_probe.py chooses). 'invariant': fp64 accumulation rounded to fp32 once,
+# so a row's result does not depend on the row count or the CPU (as 'exact' numerics' dot products):
+# the tests that compare steps of different shapes under the fp32 decode loop use it.
+# $V4FLASH_GEMM_ORDER sets it for a process.
+GEMM_ORDERS = ("platform", "split-k", "invariant")
+_gemm_order = os.environ.get("V4FLASH_GEMM_ORDER", "platform")
+
+
+def set_gemm_order(order: str) -> None:
+    global _gemm_order
+    if order not in GEMM_ORDERS:
+        raise ValueError(f"unknown GEMM order {order!r}; choose one of {GEMM_ORDERS}")
+    _gemm_order = order
+
+
+def get_gemm_order() -> str:
+    if _gemm_order not in GEMM_ORDERS:
+        raise ValueError(f"unknown GEMM order {_gemm_order!r} (V4FLASH_GEMM_ORDER); choose one of {GEMM_ORDERS}")
+    return _gemm_order
+
+
 def set_backend(name: str) -> None:
     global _backend, _module
     if name not in BACKENDS:

@@ -29,7 +29,20 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     exactly in fp64), else the framework's fp32 GEMM."""
     if _exact():
         return (x.double() @ w.double().T)
-    return x.float() @ w.float().T
+    return matmul_f32(x.float(), w.float().T)
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., K] @ b [..., K, N] in fp32 in the configured GEMM order (`ops.get_gemm_order`): the
+    platform's kernels, the two halves of K summed ('split-k', the suite's second order), or fp64
+    accumulation rounded once ('invariant': the same row whatever the row count)."""
+    order = _ops.get_gemm_order()
+    if order == "split-k" and a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        return a[..., :h] @ b[..., :h, :] + a[..., h:] @ b[..., h:, :]
+    if order == "invariant":
+        return (a.double() @ b.double()).float()
+    return a @ b
 
 _SPARSE_BLOCK = 64  # the reference kernel's online-softmax block; p is rounded per block max
 
@@ -71,7 +84,7 @@ def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.dim() == 2:
         return _mm(x, w)
     if not _exact():
-        return x.float() @ w.float().transpose(-1, -2)
+        return matmul_f32(x.float(), w.float().transpose(-1, -2))
     if x.dim() == 3 and x.shape[1] == 1 and torch.compiler.is_compiling():
         # inductor lowers a CPU bmm with one row per batch to a fused reduction that recomputes the
         # row's producers (here the fp8 activation quantization) for every output column: ~0.8 ms
@@ -104,14 +117,18 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 3:
         if _exact():
             return torch.einsum("...gd,grd->...gr", x.double(), weight.double()).to(torch.bfloat16)
+        if _ops.get_gemm_order() != "platform":  # per group, fp32 (exact products), one rounding
+            xg = x.float().movedim(-2, 0)
+            y = matmul_f32(xg.reshape(xg.shape[0], -1, xg.shape[-1]), weight.float().transpose(-1, -2))
+            return y.view(xg.shape[:-1] + (-1,)).movedim(0, -2).to(torch.bfloat16)
         return torch.einsum("...gd,grd->...gr", x.to(torch.bfloat16), weight.to(torch.bfloat16))
-    if _exact():
+    if _exact() or _ops.get_gemm_order() != "platform":  # bf16 products are exact in fp32: one rounding
         return _mm(x, weight).to(torch.bfloat16)
     return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if _exact():
+    if _exact() or _ops.get_gemm_order() != "platform":
         return _mm(x, weight).float()
     return F.linear(x.float(), weight.float())
 
@@ -160,7 +177,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: tor
         ix = idxs[:, :, t:t + _SPARSE_BLOCK].long()
         valid = ix >= 0
         blk = kvf[bidx, ix.clamp_min(0)] * valid.unsqueeze(-1)
-        s = torch.einsum("bmhd,bmkd->bmhk", qf, blk)
+        s = _bmm_f32("bmhd,bmkd->bmhk", qf, blk)
         s = torch.where(valid.unsqueeze(2), s, -torch.inf) * sc
         prev = run_max
         run_max = torch.maximum(prev, s.amax(-1))
@@ -168,9 +185,17 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: tor
         p = torch.exp(s - run_max.unsqueeze(-1))
         denom = denom * corr + p.sum(-1)
         pb = p.to(torch.bfloat16).float()
-        acc = acc * corr.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", pb, blk)
+        acc = acc * corr.unsqueeze(-1) + _bmm_f32("bmhk,bmkd->bmhd", pb, blk)
     denom = denom + torch.exp(sink.float() - run_max)
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def _bmm_f32(spec: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The attention's per-query fp32 products ('bmhd,bmkd->bmhk': a [b,m,h,x] with b [b,m,k,x] or
+    [b,m,x,d]) in the configured GEMM order."""
+    if _ops.get_gemm_order() == "platform":
+        return torch.einsum(spec, a, b)
+    return matmul_f32(a, b.transpose(-1, -2) if spec == "bmhd,bmkd->bmhk" else b)
 
 
 def _dense_scores(m: int, n: int, k: int) -> bool:
@@ -224,7 +249,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
         dots = torch.einsum("bshd,btd->bsht", q.double(), k.double()).to(torch.bfloat16)
         prod = (dots.relu_() * w.unsqueeze(-1)).double()  # the bf16 product is one rounding of an exact value
         return prod.sum(dim=2).to(torch.bfloat16)
-    dots = torch.einsum("bshd,btd->bsht", q, k)
+    if _ops.get_gemm_order() == "platform":
+        dots = torch.einsum("bshd,btd->bsht", q, k)
+    else:  # fp32 (exact bf16 products) in the configured order, one rounding to bf16
+        b, s, h, d = q.shape
+        dots = matmul_f32(q.float().reshape(b, s * h, d), k.float().transpose(1, 2))
+        dots = dots.view(b, s, h, -1).to(torch.bfloat16)
     return (dots.relu_() * w.unsqueeze(-1)).sum(dim=2)
 
 
@@ -246,7 +276,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
         return pre.float(), post.float(), c.float()
     xf = x.flatten(-2).float()
     rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    m = F.linear(xf, fn.float()) * rs
+    m = (F.linear(xf, fn.float()) if _ops.get_gemm_order() == "platform" else matmul_f32(xf, fn.float().T)) * rs
     return _split_sinkhorn(m, scale.float(), base.float(), hc, iters, hc_eps)
 
 

@@ -94,3 +94,6 @@ class InProcessEngine:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        warming = getattr(self.engine.runner, "warming", None)
+        if warming is not None:  # a background compile stopped before the stub exits (trn2.warmup)
+            warming.close()

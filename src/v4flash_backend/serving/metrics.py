@@ -22,6 +22,8 @@ with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
   v4flash:kv_slots_total                gauge      max_num_seqs
   v4flash:requests_waiting              gauge      requests queued on rank 0 for a KV slot (refreshed
                                                    with the slot gauges; vLLM's num_requests_waiting)
+  v4flash:requests_waiting_limit        gauge      max_queue_size: the queue beyond which requests are
+                                                   refused (with kv_slots_total, the server's capacity)
   v4flash:requests_rejected_total       counter    requests refused at once because the wait queue
                                                    was full (UNAVAILABLE, setting max_queue_size)
   v4flash:requests_expired_total        counter    requests failed after queue_timeout_s without a slot
@@ -32,7 +34,8 @@ with kinds COUNTER / GAUGE / HISTOGRAM, ``family.Metric(labels, buckets=None)``,
   v4flash:prefix_cache_cached_tokens_total counter  prompt tokens restored instead of prefilled
   v4flash:prefix_cache_evictions_total   counter    entries evicted for the byte budget
   v4flash:prefix_cache_bytes             gauge      bytes the cache holds (rank 0's shard)
-  (and the decode path's own gauges below: graphs, host syncs and bytes per step, fallbacks)
+  (and the decode path's own gauges below: graphs, host syncs and bytes per step, fallbacks; a
+  background compile's sets warm / of all and the resident bytes it added, warmup_rss_bytes)
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ class ServingMetrics:
                                   F.GAUGE).Metric(labels=labels)
         self.waiting = family("v4flash:requests_waiting", "Requests waiting on rank 0 for a KV slot",
                               F.GAUGE).Metric(labels=labels)
+        self.waiting_limit = family("v4flash:requests_waiting_limit",
+                                    "Requests that may wait for a KV slot before more are refused (max_queue_size)",
+                                    F.GAUGE).Metric(labels=labels)
         self.rejected = family("v4flash:requests_rejected_total",
                                "Requests refused with UNAVAILABLE because the wait queue was full (max_queue_size)",
                                F.COUNTER).Metric(labels=labels)
@@ -129,6 +135,9 @@ class ServingMetrics:
                                   "eager steps)", F.GAUGE).Metric(labels=labels)
         self.warmup_total = family("v4flash:warmup_graph_sets", "Sets of static graphs a background compile warms",
                                    F.GAUGE).Metric(labels=labels)
+        self.warmup_rss = family("v4flash:warmup_rss_bytes",
+                                 "Resident bytes the background compile added (grown between engine steps while "
+                                 "it ran; bounded by its graph sets)", F.GAUGE).Metric(labels=labels)
         by_kind = family("v4flash:decode_steps_by_kind",
                          "Decode steps by DSpark's decision: draft (verify + draft), probe (one draft "
                          "admitted), aside (stepped aside: no draft stages; 1 graph on the static path)", F.GAUGE)
@@ -168,9 +177,11 @@ class ServingMetrics:
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(n)
 
-    def set_slots(self, in_use: int, total: int) -> None:
+    def set_slots(self, in_use: int, total: int, waiting_limit: int | None = None) -> None:
         self.slots_in_use.set(in_use)
         self.slots_total.set(total)
+        if waiting_limit is not None:
+            self.waiting_limit.set(waiting_limit)
 
     def set_queue(self, waiting: int, rejected: int, expired: int, epoch: int = 0) -> None:
         """The engine's queue depth and its cumulative refusal / expiry counts (engine stats);
@@ -208,7 +219,8 @@ class ServingMetrics:
                             ("host_to_device_bytes_per_step", self.h2d_bytes_per_step),
                             ("static_fallback_steps", self.static_fallback_steps),
                             ("graphs_per_prefill_step", self.graphs_per_prefill_step),
-                            ("warmup_done", self.warmup_done), ("warmup_total", self.warmup_total)):
+                            ("warmup_done", self.warmup_done), ("warmup_total", self.warmup_total),
+                            ("warmup_rss_bytes", self.warmup_rss)):
             if st.get(key) is not None:  # None: not measured (the eager runner's uncounted host syncs)
                 metric.set(float(st[key]))
         for kind, n in (st.get("decode_steps_by_kind") or {}).items():
@@ -219,9 +231,9 @@ class ServingMetrics:
         # Metric objects must go before their families (the stub refuses otherwise).
         for name in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "draft_tokens",
                      "accepted_tokens", "finished", "in_flight", "slots_in_use", "slots_total", "waiting",
-                     "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
+                     "waiting_limit", "rejected", "expired", "decode_steps", "graphs_per_step", "host_syncs_per_step",
                      "h2d_bytes_per_step", "static_fallback_steps", "graphs_per_prefill_step", "warmup_done",
-                     "warmup_total", "steps_by_kind",
+                     "warmup_rss", "warmup_total", "steps_by_kind",
                      "prefix_counters", "prefix_bytes"):
             setattr(self, name, None)
         self._families.clear()

@@ -65,8 +65,10 @@ def build_service(model_config: dict, model_dir: str, model_name: str = "v4flash
         engine = make_engine(settings, log, watch_also)
     tokenize = None
     if tokenizer is not None:
-        add = settings.add_special_tokens
-        tokenize = lambda text: tokenizer.encode(text, add_special_tokens=add).ids  # noqa: E731
+        default_add = settings.add_special_tokens
+
+        def tokenize(text: str, add: bool = default_add) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=add).ids
     parser = RequestParser(engine.vocab_size, settings.max_model_len, settings.default_max_tokens, tokenize)
     detok = StreamDetokenizer(tokenizer, settings.skip_special_tokens) if tokenizer is not None else None
     service = GenerateService(engine, parser, detok, metrics, log, stats_interval_s=settings.stats_interval_s)

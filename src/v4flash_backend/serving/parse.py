@@ -10,6 +10,7 @@ of the first two):
   seed UINT64 [1], stop_token_ids INT32 [-1], ignore_eos BOOL [1], min_tokens INT32 [1]
   stop_words STRING [-1], frequency_penalty / presence_penalty FP32 [1]: TRT-LLM's names
   return_{finish_reason,cumulative_logprob,logprobs,num_input_tokens,num_output_tokens} BOOL [1]
+  add_special_tokens BOOL [1]: text_input tokenized with / without BOS (absent: the model's setting)
 
 Sampling values come from, highest priority first: the typed inputs, the
 ``sampling_parameters`` JSON object (vllm_backend's name and format), then the request
@@ -221,7 +222,9 @@ class RequestParser:
     """Turns the inputs of one request into a validated `GenerateRequest`.
 
     vocab_size / max_model_len: the served model's limits; tokenize: text -> ids for
-    text_input (None: text_input is refused).
+    text_input (None: text_input is refused), called as ``tokenize(text)`` (the model's own
+    add_special_tokens setting) or, when the request has the add_special_tokens input,
+    ``tokenize(text, add_special_tokens)``.
     """
 
     def __init__(self, vocab_size: int, max_model_len: int, default_max_tokens: int = default_of("default_max_tokens"),
@@ -248,7 +251,12 @@ class RequestParser:
             prompt_text = _string(inputs["text_input"], "text_input")
             # Decided: an empty text is refused (as vLLM does) before tokenization, not served
             # as the BOS-only prompt the tokenizer would make of it.
-            prompt = list(self.tokenize(prompt_text)) if prompt_text else []
+            add = _bool_input(inputs["add_special_tokens"], "add_special_tokens") \
+                if "add_special_tokens" in inputs else None
+            if not prompt_text:
+                prompt = []
+            else:
+                prompt = list(self.tokenize(prompt_text) if add is None else self.tokenize(prompt_text, add))
             if not prompt:
                 raise invalid("text_input is empty: the prompt needs at least one token")
         check_prompt(prompt, self.vocab_size, self.max_model_len)

@@ -309,7 +309,7 @@ class GenerateService:
                 failed = True
 
     def _apply_stats(self, st: dict) -> None:  # on the sender thread
-        self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)))
+        self.metrics.set_slots(int(st.get("slots_in_use", 0)), int(st.get("slots_total", 0)), st.get("waiting_limit"))
         self.metrics.set_queue(int(st.get("waiting", 0)), int(st.get("rejected", 0)),
                                int(st.get("expired", 0)), int(st.get("restarts") or 0))
         self.metrics.set_decode(st)

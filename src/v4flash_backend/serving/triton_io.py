@@ -35,6 +35,10 @@ INPUTS = (
     ("return_logprobs", "TYPE_BOOL", [1], True),
     ("return_num_input_tokens", "TYPE_BOOL", [1], True),
     ("return_num_output_tokens", "TYPE_BOOL", [1], True),
+    # text_input only: tokenize with (true) or without (false) the tokenizer's special tokens (BOS);
+    # absent: the model's add_special_tokens parameter. A chat prompt rendered with its template
+    # (the OpenAI frontend) already holds BOS and is sent with false, as vLLM tokenizes chat prompts.
+    ("add_special_tokens", "TYPE_BOOL", [1], True),
 )
 
 # (name, data_type, dims); text_output only in responses to text_input requests.

@@ -16,6 +16,24 @@ from pathlib import Path
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 IMAGE, NOISE = "<｜deepseek_image｜>", "<｜dspark_noise｜>"
 
+# The chat template of the embedded model (tokenizer_config.json's `chat_template`, which the OpenAI
+# frontend renders as transformers does). The model read only Python source, so a conversation is
+# written as Python: BOS, then every non-assistant turn as comment lines "# <role>: <text>" (each
+# line of the text commented), every assistant turn as its text (code) on lines of its own; the
+# assistant's answer is whatever code follows the last comment, so the generation prompt adds
+# nothing. Example (system, user, assistant, user):
+#   <BOS># system: You write Python.\n# user: Sort a list.\ndef f(x):\n    return sorted(x)\n# user: Now...\n
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}\n"
+    "{% else %}"
+    "# {{ message['role'] }}: {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
 
 def train_tokenizer(texts, vocab_size: int = 4096):
     """A `tokenizers.Tokenizer` with exactly `vocab_size` ids (BPE ids + 2 added specials).
@@ -73,11 +91,11 @@ def hf_tokenizer_files(model_max_length: int) -> dict[str, dict]:
     it falls back to AutoConfig on config.json, which fails on the official DeepSeek inference
     config (no `model_type`). PreTrainedTokenizerFast is the class that wraps a tokenizer.json as
     is (its post-processor adds BOS, as add_special_tokens=true does in preprocessing); the named
-    special tokens give bos/eos/pad ids 0 / 1 / 2."""
+    special tokens give bos/eos/pad ids 0 / 1 / 2; `chat_template` is CHAT_TEMPLATE."""
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
               "additional_special_tokens": [IMAGE, NOISE], "model_max_length": int(model_max_length),
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     return {"tokenizer_config.json": config,
             "special_tokens_map.json": {**special, "additional_special_tokens": [IMAGE, NOISE]}}
 

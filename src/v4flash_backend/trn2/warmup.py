@@ -36,6 +36,12 @@ Progress: a log line per warm set on stderr, and the runner's counters `warmup_d
 `warmup_total` (the engine stats, the metrics v4flash:warmup_graph_sets_warm / _total). A compile
 that fails is logged and ends the thread; what is not warm keeps serving eager steps (the server
 stays up).
+
+Stopping: `close()` (the rank's exit) ends the thread within a moment, mid-set: the profile hook raises
+`CompileStopped` at the thread's next Python or C call. A daemon thread still inside torch when the
+interpreter finalizes is killed by CPython 3.11 with pthread_exit, whose forced unwind through torch's
+C++ frames calls std::terminate: the rank died of SIGABRT ("terminate called without an active
+exception") and a clean shutdown of a server stopped while compiling read as a failed rank group.
 """
 
 from __future__ import annotations
@@ -54,11 +60,30 @@ SHARE = 0.25  # the compile's slice before each step, as a share of the last ste
 MAX_SLICE_S = 0.1
 
 
+class CompileStopped(BaseException):
+    """Raised in the compile thread by its profile hook once `stop()` was called (a BaseException:
+    dynamo's and inductor's `except Exception` handlers must not swallow it)."""
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (/proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class StepGate:
     """The runner's exec_lock: what the engine holds for a whole step (and its profile). It holds
     the graph lock (no compiled graph runs beside the step) and tells a background compile to pause
     (`serving`, `idle`); before a step it yields the compile a slice while one runs (`share`). Only
-    the engine's thread enters it (re-entrant: the profile runs inside a step)."""
+    the engine's thread enters it (re-entrant: the profile runs inside a step).
+
+    While a compile runs it also tells the compile's memory from the serving's: the compile pauses
+    while a step runs, so resident memory that grew between steps is counted as the compile's
+    (`compile_rss_bytes`: dynamo's and inductor's state and the graphs they made, bounded by the
+    graph sets) and what grew during steps as the serving's (perf/soak.py reports them apart)."""
 
     def __init__(self, lock):
         self.lock = lock
@@ -69,6 +94,23 @@ class StepGate:
         self.share = 0.0  # SHARE while a background compile runs
         self.last_step_s = 0.0
         self._t0 = 0.0
+        self._compile_rss = 0  # resident bytes that grew between steps while compiling
+        self._rss_mark: int | None = None  # the resident set at the last step's end (compiling)
+
+    def compiling(self, on: bool) -> None:
+        """A background compile starts (the slice and the memory count begin) or ends."""
+        if on:
+            self.share, self._rss_mark = SHARE, _rss_bytes()
+        else:
+            self._compile_rss = self.compile_rss_bytes()
+            self.share, self._rss_mark = 0.0, None
+
+    def compile_rss_bytes(self) -> int:
+        """Resident memory the background compile added so far (class docstring)."""
+        mark = self._rss_mark
+        if mark is None or self.serving:
+            return self._compile_rss
+        return self._compile_rss + max(0, _rss_bytes() - mark)
 
     def __enter__(self):
         if self.depth == 0 and self.share and self.last_step_s:
@@ -76,6 +118,8 @@ class StepGate:
         self.lock.acquire()
         self.depth += 1
         if self.depth == 1:
+            if self._rss_mark is not None:
+                self._compile_rss = self.compile_rss_bytes()
             self.idle.clear()
             self.serving = True
             self._t0 = time.perf_counter()
@@ -85,6 +129,8 @@ class StepGate:
         self.depth -= 1
         if self.depth == 0:
             self.last_step_s = time.perf_counter() - self._t0
+            if self._rss_mark is not None:
+                self._rss_mark = _rss_bytes()
             self.serving = False
             self.idle.set()
         self.lock.release()
@@ -123,19 +169,29 @@ class BackgroundWarmup:
         self.t0 = time.monotonic()
         self._burst_end = 0.0
         self._gate = r.exec_lock  # read by the hook on every call of the compile thread
-        self._gate.share = SHARE
+        self._gate.compiling(True)
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        """Compile no further graph set (the one in progress finishes)."""
+        """Compile no further: the set in progress is abandoned at the thread's next call."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop and wait for the thread to end (before the process exits: module docstring); False
+        when it is still running after `timeout` (inside one long C call)."""
+        self.stop()
+        return self.thread is None or self.wait(timeout)
+
     def _pause(self, frame, event, arg) -> None:
-        """The compile thread's profile hook: wait while the engine runs a step (module docstring)."""
+        """The compile thread's profile hook: wait while the engine runs a step (module docstring);
+        raise CompileStopped once stopped."""
+        if self._stop.is_set():
+            sys.setprofile(None)  # once: the handlers the exception unwinds through run unhooked
+            raise CompileStopped
         g = self._gate
         if not g.serving or (self._burst_end and time.monotonic() < self._burst_end):
             return
@@ -163,13 +219,15 @@ class BackgroundWarmup:
                              f"{time.monotonic() - self.t0:.0f} s since start)")
             r.ready = None  # every set: the profile may now time the rounds (Engine.prior_cost)
             self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
+        except CompileStopped:
+            self.log(f"background compile stopped ({r.counters['warmup_done']} of {len(self.jobs)} sets warm)")
         except BaseException as e:  # noqa: BLE001 - a failed compile must not take the server down
             self.error = e
             self.log(f"background compile failed ({type(e).__name__}: {e}); what is not warm keeps "
                      "serving eager steps")
         finally:
             sys.setprofile(None)
-            r.exec_lock.share = 0.0
+            r.exec_lock.compiling(False)
             self.done.set()
 
     def _warm(self, job: tuple) -> None:
