@@ -117,9 +117,23 @@ def test_the_rank_entry_gives_the_worker_its_environment(monkeypatch, tmp_path):
     assert args[1:4] == ["-u", "-m", "v4flash_backend.group.worker"] and args[-2:] == ["--port", "0"]
     assert check_rank(env, 5, cache=str(tmp_path / "cache")) == []
     assert (tmp_path / "cache" / "neff").is_dir()
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072"  # glibc's threshold pinned (rank_entry.ALLOCATOR_ENV)
     # the kernels' launch grid under that environment is the LNC degree the compiler gets
     monkeypatch.setattr(os, "environ", dict(env))
     assert kernel_ops._grid(True) == 2
+
+
+def test_a_rank_pins_the_allocators_threshold_unless_told_otherwise(monkeypatch):
+    """Every rank, CPU or Neuron, execs its worker with glibc's mmap threshold pinned at 128 KiB
+    (rank_entry.ALLOCATOR_ENV: why there); a value already in the environment is kept."""
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, args, env: calls.append(env))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    cpu = Settings(checkpoint_dir="/c", world_size=2).to_json()
+    rank_entry.main(["--settings-json", cpu])
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    rank_entry.main(["--settings-json", cpu])
+    assert [env.get("MALLOC_MMAP_THRESHOLD_") for env in calls] == ["131072", "4194304"]
 
 
 def test_a_neuron_worker_without_its_environment_is_refused(monkeypatch):

@@ -6,8 +6,8 @@ refused with UNAVAILABLE -> 503), max_model_len 128, an API key from a file (mod
 
 DSpark drafts every step (dspark_adaptive off, so the usage's draft counts are never vacuously 0),
 and the step cost and the confidence calibration do not learn online: a seeded sampled request
-then gives the same tokens twice (with learning on, admission follows timings, README "A step cost
-that learns"). Greedy elsewhere.
+then gives the same tokens twice (with learning on, admission follows timings, docs/dspark.md "A step
+cost that learns"). Greedy elsewhere.
 """
 
 from __future__ import annotations

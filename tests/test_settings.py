@@ -1,5 +1,5 @@
-"""The one settings schema: config.pbtxt, worker flags, the JSON the workers get and the README's
-parameter table all come from `Settings`, so a setting declared once is reachable everywhere."""
+"""The one settings schema: config.pbtxt, worker flags, the JSON the workers get and the
+parameter table of docs/settings.md all come from `Settings`, so a setting declared once is reachable everywhere."""
 
 from __future__ import annotations
 
@@ -134,12 +134,12 @@ def test_the_workers_receive_exactly_the_settings_and_flags_win():
         parse_settings(build_parser(), ["--max-num-seqs", "2"])  # no checkpoint
 
 
-def test_readme_parameter_table_is_the_schema():
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"<!-- settings-table -->\n(.*?)\n<!-- /settings-table -->", readme, re.S)
-    assert m, "README lacks the settings table markers"
+def test_the_settings_page_table_is_the_schema():
+    page = (REPO / "docs" / "settings.md").read_text()
+    m = re.search(r"<!-- settings-table -->\n(.*?)\n<!-- /settings-table -->", page, re.S)
+    assert m, "docs/settings.md lacks the settings table markers"
     assert m.group(1).strip() == Settings.markdown_table().strip(), (
-        "README's parameter table differs from settings.Settings; regenerate it with "
+        "docs/settings.md's parameter table differs from settings.Settings; paste the output of "
         "python -c 'from v4flash_backend.settings import Settings; print(Settings.markdown_table())'")
 
 

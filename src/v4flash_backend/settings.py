@@ -8,7 +8,7 @@ Everything else is derived from `Settings`:
   short legacy spellings listed in `flags`), `from_args` reads them back;
 - the rank-group launch: rank 0 and its followers receive the settings as one JSON object
   (`to_json` / `from_json`, the way vllm_backend hands its engine args over);
-- the README's parameter table (`markdown_table`; tests/test_settings.py compares the two);
+- the parameter table of docs/settings.md (`markdown_table`; tests/test_settings.py compares the two);
 - the Neuron launch (`trn2.launch`): every rank's environment (NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG,
   NEURON_RT_VISIBLE_CORES, the compile caches) comes from the `neuron_*` fields.
 
@@ -29,7 +29,7 @@ Four variables are read elsewhere, as process defaults below the settings:
   Only the default moves, an explicit decode_graph wins: the test suite sets it to eager, so the
   servers of the tests that do not test the compiled path do not compile for minutes on CI's cores.
 
-Adding a setting = adding one field below (see the README's contributor notes).
+Adding a setting = adding one field below (see docs/settings.md, "Adding a setting").
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Settings:
         env="V4FLASH_PIPELINE")
     pipeline_micro_batches: int = setting(
         1, "with pipeline_parallel > 1: a forward of several sequences runs as this many micro-batches so "
-        "stages overlap inside a step (see the README's pipeline section for the measured effect)",
+        "stages overlap inside a step (see docs/architecture.md's pipeline section for the measured effect)",
         scope="group", low=1)
     sequence_parallel: bool = setting(
         False, "prefill chunks of at least as many rows as the attention group split their rows across "

@@ -115,7 +115,7 @@ class AdaptivePolicy:
             return [0] * len(seqs)
         return [self.guard.floor(regime(s.req.temperature)) for s in seqs]
 
-    # the stepping-aside estimate (README "Speculation that steps aside"): a request's acceptance
+    # the stepping-aside estimate (docs/dspark.md, "Speculation that steps aside"): a request's acceptance
     # per position, its regime's observed rate as a prior worth PRIOR_BLOCKS blocks, then its own
     # blocks with weight EVIDENCE_DECAY^age. Measured on the embedded model (batch 1, greedy): the
     # last block's survivals alone, one noisy block, stepped aside on 191 of 290 steps where

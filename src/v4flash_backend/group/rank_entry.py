@@ -25,6 +25,21 @@ from v4flash_backend.trn2.launch import rank_environment
 
 SETTINGS_FLAG = "--settings-json"
 
+# glibc serves an allocation of at least its mmap threshold (128 KiB at start) with its own mapping,
+# returned on free; but each time such a chunk is freed it raises the threshold to that chunk's size
+# (up to 32 MiB). A rank frees tensors of many sizes (and its background compile more), so soon every
+# mid-size tensor comes from the heap instead, whose free space fragments and stays resident: a rank of
+# `make serve` grew 16-108 MiB in a 3-minute soak, and 15 MiB in each of three with the threshold
+# pinned (perf/soak.py --kill-worker; docs/performance.md "Soak and faults"). Setting the variable
+# pins it (glibc's mallopt(3): a fixed threshold turns the adjustment off); one the environment
+# already has wins.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def allocator_environment(environ) -> dict[str, str]:
+    """The allocator variables a rank adds to `environ` (those it does not set already)."""
+    return {k: v for k, v in ALLOCATOR_ENV.items() if k not in environ}
+
 
 def _settings_arg(argv: list[str]) -> tuple[int, str] | None:
     """(index of the value, value) of --settings-json in argv, or None."""
@@ -107,7 +122,7 @@ def main(argv=None) -> int:
     # Neuron stack can have read it earlier), keeps this pid (torchrun watches it) and its command line
     # names the worker (what the supervision tests and perf/soak.py look for)
     cmd = [sys.executable, "-u", "-m", "v4flash_backend.group.worker", *argv]
-    os.execve(sys.executable, cmd, {**os.environ, **env})
+    os.execve(sys.executable, cmd, {**os.environ, **allocator_environment(os.environ), **env})
     return 1  # not reached
 
 

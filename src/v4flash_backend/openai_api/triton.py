@@ -5,7 +5,7 @@ Every request streams from Triton (stream=true, exclude_input_in_output=true), a
 non-streamed OpenAI request (the frontend joins the chunks): one code path, and a client that
 disconnects is cancelled the same way. Cancelling (leaving the iteration early, or the task being
 cancelled) cancels the gRPC call; Triton passes the cancellation to the `v4flash` model, whose
-engine frees the request's KV slot at its next step (README "Errors"). The model is `v4flash`
+engine frees the request's KV slot at its next step (docs/serving.md, "Errors"). The model is `v4flash`
 itself, not the `v4flash_text` ensemble: Triton 2.51 does not pass a cancellation on to an
 ensemble's running step (triton-inference-server/core#263).
 

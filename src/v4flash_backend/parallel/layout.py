@@ -43,7 +43,7 @@ ATTN_GROUP_MAX = 8  # ranks per attention group (one trn2 chip pair's worth of h
 VOCAB_ALIGN = 128  # rows of the embedding / head shard are padded to a multiple of this
 FP8_BLOCK = 32  # fp8 weights carry one scale per 32x32 tile: split boundaries must fall on tiles
 # sequence parallelism starts at this many rows per rank of the attention group: a decode step's few
-# rows are not worth its two extra all-gathers per layer (a choice, see the README's pipeline section)
+# rows are not worth its two extra all-gathers per layer (a choice, see docs/architecture.md's pipeline section)
 SP_MIN_ROWS_PER_RANK = 4
 
 

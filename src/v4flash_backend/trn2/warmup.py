@@ -80,10 +80,12 @@ class StepGate:
     (`serving`, `idle`); before a step it yields the compile a slice while one runs (`share`). Only
     the engine's thread enters it (re-entrant: the profile runs inside a step).
 
-    While a compile runs it also tells the compile's memory from the serving's: the compile pauses
-    while a step runs, so resident memory that grew between steps is counted as the compile's
-    (`compile_rss_bytes`: dynamo's and inductor's state and the graphs they made, bounded by the
-    graph sets) and what grew during steps as the serving's (perf/soak.py reports them apart)."""
+    While a compile runs it also counts the compile's memory (`compile_rss_bytes`): the resident
+    memory that grew while the compile thread ran, not waiting in its hook for a step to end
+    (`compile_paused` / `compile_resumed`): dynamo's and inductor's state, the graphs they made, their
+    transient garbage -- bounded by the graph sets. It is an upper bound: what the serving thread
+    allocates while the compile runs beside it (the compile's slice, about a fifth of a busy server's
+    time) counts too. perf/soak.py reports it apart from the rest."""
 
     def __init__(self, lock):
         self.lock = lock
@@ -94,23 +96,28 @@ class StepGate:
         self.share = 0.0  # SHARE while a background compile runs
         self.last_step_s = 0.0
         self._t0 = 0.0
-        self._compile_rss = 0  # resident bytes that grew between steps while compiling
-        self._rss_mark: int | None = None  # the resident set at the last step's end (compiling)
+        self._compile_rss = 0  # resident bytes that grew while the compile thread ran
+        self._rss_mark: int | None = None  # the resident set when it last resumed (None: paused or done)
 
     def compiling(self, on: bool) -> None:
         """A background compile starts (the slice and the memory count begin) or ends."""
         if on:
-            self.share, self._rss_mark = SHARE, _rss_bytes()
+            self.share = SHARE
+            self.compile_resumed()
         else:
-            self._compile_rss = self.compile_rss_bytes()
-            self.share, self._rss_mark = 0.0, None
+            self.compile_paused()
+            self.share = 0.0
+
+    def compile_resumed(self) -> None:
+        self._rss_mark = _rss_bytes()
+
+    def compile_paused(self) -> None:
+        self._compile_rss, self._rss_mark = self.compile_rss_bytes(), None
 
     def compile_rss_bytes(self) -> int:
         """Resident memory the background compile added so far (class docstring)."""
         mark = self._rss_mark
-        if mark is None or self.serving:
-            return self._compile_rss
-        return self._compile_rss + max(0, _rss_bytes() - mark)
+        return self._compile_rss + (max(0, _rss_bytes() - mark) if mark is not None else 0)
 
     def __enter__(self):
         if self.depth == 0 and self.share and self.last_step_s:
@@ -118,8 +125,6 @@ class StepGate:
         self.lock.acquire()
         self.depth += 1
         if self.depth == 1:
-            if self._rss_mark is not None:
-                self._compile_rss = self.compile_rss_bytes()
             self.idle.clear()
             self.serving = True
             self._t0 = time.perf_counter()
@@ -129,8 +134,6 @@ class StepGate:
         self.depth -= 1
         if self.depth == 0:
             self.last_step_s = time.perf_counter() - self._t0
-            if self._rss_mark is not None:
-                self._rss_mark = _rss_bytes()
             self.serving = False
             self.idle.set()
         self.lock.release()
@@ -197,7 +200,9 @@ class BackgroundWarmup:
             return
         # a wait that times out lets the compile run a short burst beside the step: it may hold what
         # the step waits for; a long step (the step-cost profile) stays mostly alone
+        g.compile_paused()
         self._burst_end = 0.0 if g.idle.wait(MAX_PAUSE_S) else time.monotonic() + BURST_S
+        g.compile_resumed()
 
     def _run(self) -> None:
         r = self.runner
