@@ -52,12 +52,12 @@ sys.path.insert(0, str(REPO / "src"))
 from v4flash_backend import ops  # noqa: E402
 from v4flash_backend.engine.engine import Engine  # noqa: E402
 from v4flash_backend.engine.fixed_guard import FixedGuard  # noqa: E402
+from v4flash_backend.engine.round_plan import STOP_WIDTH  # noqa: E402
 from v4flash_backend.engine.runner import LocalRunner  # noqa: E402
 from v4flash_backend.engine.step_learn import StepCostLearner  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
-from v4flash_backend.trn2.round_plan import STOP_WIDTH  # noqa: E402
 
 MODES = ("off", "dspark", "fixed")
 CKPT = [None]  # the checkpoint directory (its dspark_calibration.json is loaded by the engine)
@@ -82,7 +82,8 @@ def static_runner(model, batch: int, max_len: int, backend: str):
     """The fast path's StaticRunner (both benches): `batch` sequences in one decode bucket of the whole
     context, host-sync counting off as make serve's CPU default builds it (group/build.py: the counting
     hook would slow the eager prefill and drafting around the rounds by ~20 %)."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
     from v4flash_backend.trn2.static_step import Bucket
 
     G = model.cfg.dspark_block_size or 0

@@ -37,7 +37,8 @@ from v4flash_backend.engine.step_cost import StepCost  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner  # noqa: E402
+from v4flash_backend.trn2.launch import NeuronSettings  # noqa: E402
+from v4flash_backend.trn2.static_runner import StaticRunner  # noqa: E402
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 

@@ -160,12 +160,13 @@ def layout_counts(cfg: ModelConfig, world: int, attn_group: int) -> dict:
     partitioned by rank), one per MoE layer and per DSpark stage (experts partitioned, tokens
     replicated); world all-gathers: the vocab-parallel head (verify and draft); attention-group
     all-reduces (heads split, only when the group has > 1 rank): one o-projection per layer and per
-    stage, one indexer score per index-source layer; one world broadcast of the plan."""
+    stage, one indexer score per index-source layer; one broadcast of the plan over the control plane
+    (gloo: parallel.collectives.make_groups)."""
     if world == 1:
         return {}
     st = cfg.n_mtp_layers if cfg.dspark_block_size else 0
     out = {"world.all_reduce": 1 + len(cfg.engram_layer_ids) + cfg.n_layers + (1 + st if st else 0),
-           "world.all_gather": 1 + (1 if st else 0), "world.broadcast": 1}
+           "world.all_gather": 1 + (1 if st else 0), "control.broadcast": 1}
     if attn_group > 1:
         out["attn.all_reduce"] = cfg.n_layers + len(cfg.index_source_layers) + st
     return out

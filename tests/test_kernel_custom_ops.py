@@ -7,7 +7,10 @@
 - a function calling several ops through `nki_ops` compiles with fullgraph=True on CPU backends,
   its captured graph holds the kernels as `v4flash` nodes, and it gives the eager result bit for bit;
 - the host-sync counter sees a kernel op as one opaque call (the simulator's NumPy round trip inside
-  it is not a host read), while a real `.item()` is still counted.
+  it is not a host read), while a real `.item()` is still counted;
+- registration asks torch.library whether the route's definer registered a fake: a stand-in for
+  `nki_op` that registers its own keeps it (a second, unconditional `register_fake` would replace it
+  or raise), a definer that registers none gets ours.
 """
 
 import pytest
@@ -176,6 +179,61 @@ def test_a_wrong_fake_is_caught():
         lib._destroy()
 
 
+class _DefinerWithFake:
+    """A stand-in for torch-neuronx's `nki_op` (never run here): it defines the op as a custom op and
+    registers a fake of its own, which records its calls."""
+
+    def __init__(self):
+        self.fake_calls = 0
+
+    def __call__(self, qualname, mutates_args=()):
+        def define(fn):
+            op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
+            name = qualname.split("::")[1]
+
+            def fake(*a, **kw):
+                self.fake_calls += 1
+                return kernel_ops.FAKES[name](*a, **kw)
+
+            op.register_fake(fake)
+            return op
+
+        return define
+
+
+def _ns(tag):
+    import uuid
+
+    return f"v4flash_{tag}_{uuid.uuid4().hex[:8]}"  # a fresh namespace per test: an op is defined once
+
+
+def test_a_definer_s_own_fake_is_kept():
+    from torch._subclasses import FakeTensorMode
+
+    ns, definer = _ns("nkiop"), _DefinerWithFake()
+    assert kernel_ops._register(definer, ns) == []  # every fake is the definer's: none of ours registered
+    with FakeTensorMode():
+        x, w = torch.empty(3, 128, dtype=BF16), torch.empty(128, dtype=BF16)
+        out = getattr(torch.ops, ns).rms_norm(x, w, 1e-6)
+    assert definer.fake_calls == 1 and out.shape == (3, 128)
+
+
+def test_a_definer_without_fakes_gets_ours():
+    ns = _ns("plain")
+    assert set(kernel_ops._register(torch.library.custom_op, ns)) == set(kernel_ops.OPS)
+    assert all(kernel_ops.has_fake(f"{ns}::{name}") for name in kernel_ops.OPS)
+    # a Library-defined op (no custom_op): torch.library's registry answers the same question
+    lib = torch.library.Library(_ns("lib"), "DEF")
+    try:
+        lib.define("f(Tensor x) -> Tensor")
+        q = f"{lib.ns}::f"
+        assert not kernel_ops.has_fake(q)
+        torch.library.register_fake(q, lambda x: torch.empty_like(x), lib=lib)
+        assert kernel_ops.has_fake(q)
+    finally:
+        lib._destroy()
+
+
 def _layer(x, w_norm, w8, s8, gate_up, fn, scale, base):
     """A small slice of a layer through the op seam: mHC mixes, collapse, RMSNorm, an fp8 projection,
     SwiGLU and hc_post -- host reshapes between the kernel calls, as in the model."""
@@ -253,7 +311,8 @@ def _serve(runner, max_tokens=6, **kw):
 def test_static_rounds_with_kernel_ops_read_nothing_unless_the_step_does(small_model, monkeypatch):
     """The static rounds run op by op (graph backend none) with nki-sim: 0 host syncs per decode step
     (each kernel is one opaque op); a deliberate `.item()` in the step (after every RMSNorm) is counted."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     def runner():
         return StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="none"))
@@ -280,7 +339,8 @@ def test_compiled_static_rounds_hold_the_kernels_as_nodes(small_model, monkeypat
     import torch._dynamo
 
     from v4flash_backend.engine.runner import LocalRunner
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     real_lookup = torch._dynamo.lookup_backend
     captured = []

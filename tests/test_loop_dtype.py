@@ -8,7 +8,7 @@
   a static decode round makes none inside its graphs; eager and static serving commit the same tokens,
   log-probs and admissions at T = 0.8 with a seed (exact equality: the same fp32 ops on the same
   values, the forward's GEMMs in the row-invariant order: see the test). The round inputs are given
-  in the loop dtype and the seed as int32 words, the form trn2/neuron.py's round_inputs is to build
+  in the loop dtype and the seed as int32 words, the form trn2/static_runner.py's round_inputs is to build
   (this test casts them until it does).
 - Captured by dynamo (fullgraph), the static loop forms (Markov drafting, verification, residual,
   noise, calibrated confidence, admission, log-probs, the read-back pack) hold no float64 node under
@@ -30,12 +30,14 @@ from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_sta
 from v4flash_backend.engine.dspark_sched import SPSTable, _sps_values, admit, admit_static, sps_tensors, staircase_sps
 from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.precision import loop_dtype, loop_int_dtype, pack_bits, unpack_bits
+from v4flash_backend.engine.round_plan import pad_sps
 from v4flash_backend.engine.runner import LocalRunner
 from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
+from v4flash_backend.trn2.launch import NeuronSettings
 from v4flash_backend.trn2.static_round import calibrated_confidence, logprobs_pack, pack
+from v4flash_backend.trn2.static_runner import StaticRunner
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
 PROMPT = [0, 17, 230, 5, 99, 41, 8, 300, 12]
@@ -133,7 +135,7 @@ def _run(runner, mode, rec=None):
 
 
 def _loop_dtype_inputs(sr: StaticRunner) -> None:
-    """The round inputs as the dtype policy has them (trn2/neuron.py's part: float inputs and the
+    """The round inputs as the dtype policy has them (trn2/static_runner.py's part: float inputs and the
     penalty counts in the loop dtype, the seed as int32 words, the round counter int32)."""
     orig = sr.round_inputs
 

@@ -1,4 +1,5 @@
-"""The Neuron launch path (`neuron`), exercised on CPU up to the backend call.
+"""The Neuron launch path (`trn2.launch`, `trn2.compiler`, `trn2.graphs`), exercised on CPU up to the
+backend call.
 
 - settings and environment: the port's compiler flags, LNC=2, the compile caches, the nki ops with
   'reference' numerics and the neuron torch.distributed backend, the view built from `Settings`
@@ -22,27 +23,30 @@ import pytest
 import torch
 
 from v4flash_backend import ops
-from v4flash_backend.trn2 import neuron
+from v4flash_backend.trn2.compiler import compile_step
+from v4flash_backend.trn2.graphs import StaticGraphs, decode_buckets
+from v4flash_backend.trn2.launch import NeuronSettings, apply_env, neuron_env
+from v4flash_backend.trn2.static_runner import StaticRunner
 from v4flash_backend.trn2.static_step import Bucket
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_settings_and_env_carry_the_port_flags(tmp_path):
-    s = neuron.NeuronSettings(cache_dir=str(tmp_path / "cache"))
+    s = NeuronSettings(cache_dir=str(tmp_path / "cache"))
     for flag in ("--auto-cast=none", "-O1", "--lnc=2", "--model-type=transformer"):
         assert flag in s.compiler_args
     assert any("--experimental-unsafe-fp8e4m3fn-as-fp8e4m3" in a for a in s.compiler_args)
-    env = neuron.neuron_env(s, local_rank=3)
+    env = neuron_env(s, local_rank=3)
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and env["NEURON_RT_VIRTUAL_CORE_SIZE"] == "2"
     assert "--auto-cast=none" in env["NEURON_CC_FLAGS"] and "-O1" in env["NEURON_CC_FLAGS"]
     assert env["TORCH_NEURONX_NEFF_CACHE_DIR"].startswith(str(tmp_path / "cache"))
     assert (env["V4FLASH_OPS"], env["V4FLASH_NUMERICS"], env["V4FLASH_DIST_BACKEND"]) == ("nki", "reference", "neuron")
     assert env["NEURON_RT_VISIBLE_CORES"] == "3"  # pinned by default (Settings.neuron_pin_cores)
-    assert "NEURON_RT_VISIBLE_CORES" not in neuron.neuron_env(neuron.NeuronSettings(pin_core=False), 3)
-    assert "NEURON_RT_VISIBLE_CORES" not in neuron.neuron_env(s)  # no local rank: nothing to pin
+    assert "NEURON_RT_VISIBLE_CORES" not in neuron_env(NeuronSettings(pin_core=False), 3)
+    assert "NEURON_RT_VISIBLE_CORES" not in neuron_env(s)  # no local rank: nothing to pin
     environ = {"V4FLASH_OPS": "nki-sim"}
-    added = neuron.apply_env(s, environ)
+    added = apply_env(s, environ)
     assert environ["V4FLASH_OPS"] == "nki-sim" and "V4FLASH_OPS" not in added  # values already set win
     assert environ["NEURON_CC_FLAGS"] == env["NEURON_CC_FLAGS"] and (tmp_path / "cache").is_dir()
 
@@ -53,16 +57,16 @@ def test_the_neuron_view_comes_from_the_settings():
     appended, and a flag string naming another LNC degree is refused."""
     from v4flash_backend.settings import Settings
 
-    v = neuron.NeuronSettings.from_settings(Settings(ops_backend="nki"))
-    assert v == neuron.NeuronSettings()  # the view's defaults are the schema's
-    v = neuron.NeuronSettings.from_settings(Settings(
+    v = NeuronSettings.from_settings(Settings(ops_backend="nki"))
+    assert v == NeuronSettings()  # the view's defaults are the schema's
+    v = NeuronSettings.from_settings(Settings(
         ops_backend="nki", neuron_lnc=1, neuron_cc_flags_override="-O2 --internal-x='a b'",
         neuron_cc_flags="--verbose=35", neuron_cache_dir="/tmp/c", graph_backend="neuron_libtorch",
         neuron_pin_cores=False))
     assert v.compiler_args == ("--lnc=1", "-O2", "--internal-x=a b", "--verbose=35")
     assert (v.lnc, v.backend, v.cache_dir, v.pin_core) == (1, "neuron_libtorch", "/tmp/c", False)
-    assert neuron.NeuronSettings(lnc=1).compiler_args == tuple(
-        "--lnc=1" if a == "--lnc=2" else a for a in neuron.NeuronSettings().compiler_args)
+    assert NeuronSettings(lnc=1).compiler_args == tuple(
+        "--lnc=1" if a == "--lnc=2" else a for a in NeuronSettings().compiler_args)
     for bad in (dict(neuron_cc_flags_override="--lnc=1 -O2"), dict(neuron_cc_flags="--logical-nc-config 1"),
                 dict(neuron_lnc=1, neuron_cc_flags="--lnc 2")):
         with pytest.raises(ValueError, match="one LNC degree"):
@@ -74,7 +78,7 @@ def test_neuron_backend_without_the_sdk_fails_with_a_hint():
         pytest.fail("this CPU test expects no Neuron SDK in the environment")
     for backend in ("neuron", "neuron_libtorch"):
         with pytest.raises(RuntimeError, match="requirements-neuron"):
-            neuron.compile_step(lambda x: x + 1, neuron.NeuronSettings(backend=backend))
+            compile_step(lambda x: x + 1, NeuronSettings(backend=backend))
 
 
 def test_inductor_compiles_with_eager_precision_casts(monkeypatch):
@@ -96,7 +100,7 @@ def test_inductor_compiles_with_eager_precision_casts(monkeypatch):
     for backend, want in (("inductor", (True, True)), ("aot_eager", before)):
         torch._dynamo.reset()
         seen.clear()
-        out = neuron.compile_step(lambda x: x * 2 + 1, neuron.NeuronSettings(backend=backend))(torch.ones(3))
+        out = compile_step(lambda x: x * 2 + 1, NeuronSettings(backend=backend))(torch.ones(3))
         assert torch.equal(out, torch.full((3,), 3.0)) and seen == [want], (backend, seen)
     assert (config.emulate_precision_casts, config.cpp_wrapper) == before  # set only while compiling
 
@@ -107,27 +111,39 @@ def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypa
     from v4flash_backend.trn2 import compiler
 
     monkeypatch.setattr(compiler, "import_neuron", lambda s: None)  # no Neuron SDK here
-    s = neuron.NeuronSettings()
+    s = NeuronSettings()
     monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
     with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
-        neuron.compile_step(lambda x: x + 1, s)
+        compile_step(lambda x: x + 1, s)
     monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")  # a flag set without --lnc / --auto-cast=none / fp8
     with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
-        neuron.compile_step(lambda x: x + 1, s)
-    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --lnc=1")
+        compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron_env(s)["NEURON_CC_FLAGS"] + " --lnc=1")
     with pytest.raises(RuntimeError, match="NEURON_CC_FLAGS"):
-        neuron.compile_step(lambda x: x + 1, s)
-    monkeypatch.setenv("NEURON_CC_FLAGS", neuron.neuron_env(s)["NEURON_CC_FLAGS"] + " --verbose=35")
+        compile_step(lambda x: x + 1, s)
+    monkeypatch.setenv("NEURON_CC_FLAGS", neuron_env(s)["NEURON_CC_FLAGS"] + " --verbose=35")
     with pytest.raises(Exception) as e:  # past the check: dynamo has no 'neuron' backend without the SDK
-        neuron.compile_step(lambda x: x + 1, s)
+        compile_step(lambda x: x + 1, s)
     assert "NEURON_CC_FLAGS" not in str(e.value)
 
 
+def test_one_entry_point_compiles_for_every_bucket():
+    """Twelve buckets of one entry point (as the default settings' decode buckets): twelve dynamo cache
+    entries of one code object, past dynamo's default recompile limit of 8 (the 9th failed to compile)."""
+    def entry(ctx):
+        return lambda x: x[:ctx].sum() + ctx  # one code object, a bucket constant closed over
+
+    s = NeuronSettings(backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's default (an earlier compile raised it)
+        got = [compile_step(entry(c), s)(torch.ones(16)).item() for c in range(1, 13)]
+    assert got == [2.0 * c for c in range(1, 13)]
+
+
 def test_compile_step_refuses_host_syncs():
-    s = neuron.NeuronSettings(backend="eager")
-    ok = neuron.compile_step(lambda x: (x * 2).sum(), s)
+    s = NeuronSettings(backend="eager")
+    ok = compile_step(lambda x: (x * 2).sum(), s)
     assert ok(torch.ones(3)).item() == 6.0
-    bad = neuron.compile_step(lambda x: x * x.sum().item(), s)
+    bad = compile_step(lambda x: x * x.sum().item(), s)
     with pytest.raises(Exception, match="host syncs"):
         bad(torch.ones(3))
 
@@ -154,7 +170,7 @@ class _FakeDecoder:
 
 def test_warm_up_compiles_each_bucket_once():
     buckets = [Bucket(1, 6, 64), Bucket(2, 6, 64), Bucket(2, 6, 128)]
-    g = neuron.StaticGraphs(_FakeDecoder(), buckets, neuron.NeuronSettings(backend="eager"))
+    g = StaticGraphs(_FakeDecoder(), buckets, NeuronSettings(backend="eager"))
     out = io.StringIO()
     g.warm_up(progress=out)
     # 3 verify graphs (one per bucket) + 2 draft graphs (the context bound does not change it)
@@ -164,17 +180,19 @@ def test_warm_up_compiles_each_bucket_once():
     tokens, slot, start, n = g.decoder.padding_plan(2, 6)
     v, _ = g.verify(Bucket(2, 6, 128), tokens + 1, slot, start, n)
     assert torch.equal(v, torch.full((2,), 134.0)) and g.stats.graphs == 5 and g.executions == 1
-    assert [b.ctx for b in neuron.decode_buckets(3, 1000, 6)] == [256, 512, 1000] * 3
+    assert [b.ctx for b in decode_buckets(3, 1000, 6)] == [256, 512, 1000] * 3
 
 
 def test_neuron_imports_stay_on_the_neuron_path():
     code = (
         "import sys, torch\n"
         "from v4flash_backend import ops\n"
-        "from v4flash_backend.trn2 import neuron, static_step\n"
+        "from v4flash_backend.trn2 import static_runner, static_step\n"
+        "from v4flash_backend.trn2.graphs import StaticGraphs\n"
+        "from v4flash_backend.trn2.launch import NeuronSettings, apply_env\n"
         "ops.set_backend('torch')\n"
-        "neuron.apply_env(neuron.NeuronSettings(cache_dir=sys.argv[1]), environ={})\n"
-        "g = neuron.StaticGraphs(None, [], neuron.NeuronSettings(backend='eager'))\n"
+        "apply_env(NeuronSettings(cache_dir=sys.argv[1]), environ={})\n"
+        "g = StaticGraphs(None, [], NeuronSettings(backend='eager'))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch_neuronx', 'libtorch_neuronx_lite', 'neuronxcc', 'nki', 'torch_xla'))\n"
         "print('NEURON-MODULES', bad)\n")
@@ -204,8 +222,8 @@ def test_static_runner_drives_the_engine(tiny_model):
         return [t for e in ev for t in e.token_ids], eng.totals["steps"], eng.stats()
 
     want, _, _ = run(LocalRunner(tiny_model, 3, 64))
-    sr = neuron.StaticRunner(tiny_model, 2, 64, buckets=[Bucket(1, 6, 32), Bucket(1, 6, 64)],
-                             settings=neuron.NeuronSettings(backend="none"))
+    sr = StaticRunner(tiny_model, 2, 64, buckets=[Bucket(1, 6, 32), Bucket(1, 6, 64)],
+                             settings=NeuronSettings(backend="none"))
     got, steps, st = run(sr)
     assert got == want and len(got) == 10
     decode_steps = steps - 1  # the first step is the prefill (eager)

@@ -71,8 +71,11 @@ def test_release_bytes_follow_the_layout(release):
     local = 384 // 64 * cfg.n_layers + 128 // 64 * cfg.n_mtp_layers
     assert all(b["experts"] == local * expert for b in per_rank)
     row = cfg.engram_head_dim + cfg.engram_head_dim // 32  # fp8 row + its e8m0 scales
-    assert sum(b["engram_rows"] for b in per_rank) == sum(cfg.engram_num_embeddings) * row
-    assert max(b["engram_rows"] for b in per_rank) == sum(-(-n // 64) for n in cfg.engram_num_embeddings) * row
+    # ceil-sized row chunks, the last one padded to the same size: one table shape on every rank (a
+    # graph input of the rank-agnostic graphs), at most 63 zero rows per table over the exact split
+    chunk = sum(-(-n // 64) for n in cfg.engram_num_embeddings) * row
+    assert all(b["engram_rows"] == chunk for b in per_rank)
+    assert 0 <= 64 * chunk - sum(cfg.engram_num_embeddings) * row <= 63 * len(cfg.engram_num_embeddings) * row
     # vocab shard padded to 2048 rows (129280 / 64 = 2020): bf16 embedding + fp32 head
     assert all(b["embed_head"] == 2048 * D * (2 + 4) for b in per_rank)
     assert len({b["attention"] for b in per_rank}) == 1  # every attention group holds the same split

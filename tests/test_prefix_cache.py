@@ -256,7 +256,8 @@ def test_static_path_restores_a_prefix_and_prefills_only_the_rest(tiny_model):
     graphs run for the uncached rest only (B2 = 21 shared + 17: chunks 7, 7, 3 -> two prefill
     graphs; cold: 38 in chunks of 7 -> five), and the tokens equal the cold static run's."""
     from v4flash_backend.engine.step_cost import StepCost
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     b2 = SHARED + _prompt(18, 4)[1:]
     Q = 1 + tiny_model.cfg.dspark_block_size  # chunks of more rows run the prefill graphs

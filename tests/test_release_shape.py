@@ -214,7 +214,7 @@ def test_release_check_on_the_golden_tiny_config(tmp_path, golden_dir):
     assert abs(float(fields["loaded_gib"]) - float(fields["placement_gib"])) <= 0.02 * float(fields["placement_gib"])
     graph_lines = [x for x in lines if x.startswith("graph ")]
     # decode: S in {1,2} x ctx in {256,512} + 2 drafts; prefill (prefill_chunk 32; the release test runs the
-    # served default): rows 16, 32 x ctx 256, 512, as trn2.neuron.StaticRunner builds them
+    # served default): rows 16, 32 x ctx 256, 512, as trn2.static_runner.StaticRunner builds them
     assert len(graph_lines) == int(fields["graphs_traced"]) == 2 * 2 + 2 + 2 * 2, graph_lines
     prefill = sorted(x.split(":")[0] for x in graph_lines if x.startswith("graph prefill "))
     assert prefill == sorted(f"graph prefill S=1 Q={q} ctx={c}" for q in (16, 32) for c in (256, 512)), prefill

@@ -76,7 +76,8 @@ def test_the_repository_config_uses_only_known_parameters():
 # Parameters model_repository/v4flash/config.pbtxt may state, each with its reason. A value equal to
 # its default is allowed only as an anchor of docker/Dockerfile.neuron's edit (checked below against
 # the keys that edit rewrites); a value that differs from its default must say why here.
-CONFIG_ANCHORS = {"world_size", "ops_backend", "decode_graph", "startup_timeout_s"}
+CONFIG_ANCHORS = {"world_size", "ops_backend", "decode_graph", "startup_timeout_s", "compiled_artifacts",
+                  "compile_on_miss"}
 CONFIG_DIFFERS: dict[str, str] = {}  # key -> why the repository's model differs from the default
 
 
@@ -110,7 +111,7 @@ def test_config_pbtxt_states_only_what_differs_from_the_defaults():
     assert _config_problems(_config_params(text)) == []
     # the anchors are exactly the keys the Neuron image's RUN rewrites
     docker = (REPO / "docker" / "Dockerfile.neuron").read_text()
-    assert set(re.findall(r'/key: \\?"([a-z_]+)\\?"/s/', docker)) == CONFIG_ANCHORS
+    assert set(re.findall(r'/key: \\?"([a-z_]+)\\?"/s[/|]', docker)) == CONFIG_ANCHORS
     # a contradicting value or a restated default is caught
     assert _config_problems({"max_num_seqs": "4"}) == ["max_num_seqs: '4' contradicts its default 8 with no reason"]
     assert _config_problems({"max_queue_size": "64"}) == ["max_queue_size: restates its default 64"]

@@ -20,9 +20,11 @@ from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+from v4flash_backend.trn2.launch import NeuronSettings
 
 # sorted: .5 (id 1), .2 (id 3), .15 (id 2), .1 (id 0), .05 (id 4); top_p = .8 keeps {1, 3, 2} (mass .85,
+from v4flash_backend.trn2.static_runner import StaticRunner
+
 # the shortest prefix reaching .8). Renormalised, the inverse CDF in id order is
 # id 1: [0, .588), id 2: [.588, .765), id 3: [.765, 1); ids 0 and 4 have no mass.
 P = [0.1, 0.5, 0.15, 0.2, 0.05]

@@ -22,13 +22,14 @@ from v4flash_backend.engine import dspark_accept as acc
 from v4flash_backend.engine import noise
 from v4flash_backend.engine.dspark_sched import SPSTable, admit, admit_static, sps_tensors
 from v4flash_backend.engine.engine import STOP_WIDTH, Engine
+from v4flash_backend.engine.round_plan import RoundPlan, pad_sps
 from v4flash_backend.engine.runner import LocalRunner
 from v4flash_backend.engine.sampling import SamplingParams, process_logits, process_logits_static
 from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner, pad_sps
-from v4flash_backend.trn2.round_plan import RoundPlan
+from v4flash_backend.trn2.launch import NeuronSettings
+from v4flash_backend.trn2.static_runner import StaticRunner
 from v4flash_backend.trn2.static_step import BoundarySpy
 
 SPS = SPSTable([1, 2, 4, 8, 16], [10.0, 9.8, 9.5, 9.0, 8.0])
@@ -306,7 +307,7 @@ def test_place_resident_moves_every_weight_and_cache(golden_dir):
     """At load, every tensor a decode round reads lives on the rank's device ('meta' stands in for a
     NeuronCore: moving there keeps shapes, so a forgotten buffer shows up as a CPU tensor)."""
     from v4flash_backend.model.loading import load_model
-    from v4flash_backend.trn2.neuron import place_resident
+    from v4flash_backend.trn2.static_runner import place_resident
 
     m = load_model(golden_dir)  # its own copy: the session model stays on the CPU
     sr = StaticRunner(m, 2, 64, settings=NeuronSettings(backend="none"))
@@ -628,8 +629,8 @@ def test_round_result_reads_back_what_the_graphs_packed(processed):
     `RoundResult` alone: committed tokens, counts, next ell, confidence logits (bit-exact) and the
     log-probs pack, for a G = 3 round and the plain-decode graph's G = 0 row width."""
     from v4flash_backend.engine.precision import loop_dtype
+    from v4flash_backend.engine.round_plan import RoundResult, pack_logprobs, pack_result
     from v4flash_backend.engine.sampling import LOGPROB_WIDTH
-    from v4flash_backend.trn2.round_plan import RoundResult, pack_logprobs, pack_result
 
     g = torch.Generator().manual_seed(5)
     for G in (3, 0):

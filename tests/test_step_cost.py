@@ -190,7 +190,8 @@ def _check_static_equals_eager(model, reqs, cost, **kw):
     the same blocks observed by the online calibration (their confidence logits bit for bit), the
     same DSpark ring contents after every step (a stepped-aside round writes no ring rows); 1 graph per stepped-aside
     round, 2 per drafting one, no host sync. Exact numerics: equality, no tolerance."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     want, est, eeng = _serve_batch(LocalRunner(model, 4, 96), reqs, cost, **kw)
     sr = StaticRunner(model, 3, 96, settings=NeuronSettings(backend="none"))

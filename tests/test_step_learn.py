@@ -347,8 +347,9 @@ def test_static_rounds_take_the_learned_cost_as_their_table_input(tiny_model):
     the profile priced at twice that (by B: the table's staircase by sequences of 1 + gamma rows); after
     learning the inputs price the machine (tolerance 1e-9 relative: fake-clock float sums)."""
     from v4flash_backend.engine.dspark_sched import sps_tensors
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
-    from v4flash_backend.trn2.round_plan import SPS_WIDTH, pad_sps
+    from v4flash_backend.engine.round_plan import SPS_WIDTH, pad_sps
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     sr = StaticRunner(tiny_model, 3, 96, settings=NeuronSettings(backend="none"))
     now, plans = [0.0], []
@@ -389,11 +390,12 @@ def test_static_rounds_take_the_learned_cost_as_their_table_input(tiny_model):
 
 
 def test_guard_floor_is_the_same_admission_on_eager_steps_and_static_rounds(tiny_model):
-    """The guard's floor reaches the static rounds as fixed_ell = -1 - floor (trn2.round_plan): with a
+    """The guard's floor reaches the static rounds as fixed_ell = -1 - floor (engine.round_plan): with a
     floor of 2 in both modes (held, the guard's own control out of it: a deterministic decision), the
     static rounds (op by op) admit and accept exactly what eager steps do, every block admission chose
     verifies at least 2 drafts (or its room), and the tokens are the same (lossless either way)."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     def serve(runner):
         eng = Engine(runner, Settings(max_num_seqs=2, max_model_len=96, spec_mode="dspark", dspark_adaptive=True))

@@ -7,9 +7,12 @@
 - The launch environment: a complete one passes, a dropped compiler flag fails.
 - The tiny checkpoint's rank 0 of W = 2 with the served path's own runner on fake tensors: the
   forward and prefill graphs are device-clean with kernel nodes and no host reads; a deliberate CPU
-  `torch.zeros` inside the step and a float64 op inside it each fail it. Every graph of the rank,
-  the final line as the issue asks, with --native-int64=enabled added to the launch's flags (slow);
-  the command line with the served flags as they are (slow).
+  `torch.zeros` inside the step and a float64 op inside it each fail it.
+- Rank-agnostic graphs: at W = 4 (two attention groups, other experts / vocabulary / Engram rows)
+  rank 1's graphs have rank 3's keys; a deliberate rank constant in the step (a Python int of the
+  rank's layout) makes trn2-check print rank_agnostic=no, name the graph and the node, and fail.
+- Every graph of the rank, the final line as the issue asks, with --native-int64=enabled added to the
+  launch's flags (slow); the command line with the served flags as they are (slow).
 """
 
 import re
@@ -78,7 +81,8 @@ def test_host_reads_and_kernel_nodes_are_counted():
 
 
 def test_launch_env_check():
-    from v4flash_backend.trn2.neuron import COMPILER_ARGS, NeuronSettings, neuron_env
+    from v4flash_backend.trn2.compiler import COMPILER_ARGS
+    from v4flash_backend.trn2.launch import NeuronSettings, neuron_env
 
     full = {"NEURON_CC_FLAGS": " ".join(COMPILER_ARGS), "NEURON_LOGICAL_NC_CONFIG": "2",
             "NEURON_RT_VISIBLE_CORES": "3", "NEURON_COMPILE_CACHE_URL": "/c"}
@@ -138,21 +142,53 @@ def test_a_float64_op_in_the_step_fails_dtype_ok(monkeypatch):
 
 
 _FINAL = re.compile(r"trn2-check: graphs=(\d+) device_clean=(\d+)/(\d+) dtype_ok=(\d+)/(\d+) "
-                    r"kernel_nodes_per_step=(\d+) host_reads=(\d+) neuron_env=(\S+)")
+                    r"kernel_nodes_per_step=(\d+) host_reads=(\d+) neuron_env=(\S+) graph_keys=([0-9a-f]{16}) "
+                    r"rank_agnostic=(yes|no)")
 
 
 def _assert_all_ok(final):
     m = _FINAL.fullmatch(final)
     assert m, final
-    n, dc, n1, dt, n2, k, hr, env = m.groups()
+    n, dc, n1, dt, n2, k, hr, env, _, agnostic = m.groups()
     assert int(n) == 8 and dc == n1 == n and dt == n2 == n and int(k) > 0 and hr == "0" and env == "ok", final
+    assert agnostic == "yes", final
+
+
+def test_two_ranks_of_other_attention_groups_trace_the_same_graphs():
+    """W = 4 (attention groups of 2): rank 1 against rank 3 -- another group, other experts, vocabulary
+    and Engram rows -- and rank 3 against rank 1 print one graph_keys hash."""
+    lines = []
+    finals = [trn2.trn2_check(TINY, None, 4, r, processed=False, log=lines.append, select=_forward_only)[1]
+              for r in (1, 3)]
+    assert not [x for x in lines if "not rank-agnostic" in x], lines
+    keys = {re.search(r"graph_keys=(\w+)", f).group(1) for f in finals}
+    assert len(keys) == 1 and all(f.endswith("rank_agnostic=yes") for f in finals), finals
+
+
+def test_a_rank_constant_in_a_graph_fails_rank_agnostic(monkeypatch):
+    from v4flash_backend.parallel.comm import DistComm
+
+    orig = DistComm.embed
+    monkeypatch.setattr(DistComm, "embed", lambda self, y: orig(self, y) + self.lay.rank)  # the mistake
+    lines = []
+    ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=lines.append,
+                                   select=lambda n: n.startswith("forward"))
+    assert not ok and final.endswith("rank_agnostic=no"), final
+    diff = [x for x in lines if "not rank-agnostic" in x]
+    # the forward graph, at the node that adds the rank: 0 on rank 0, 1 on rank 1
+    assert len(diff) == 1 and "graph forward S=1 Q=6 ctx=256" in diff[0] and "aten.add" in diff[0], diff
+    monkeypatch.setattr(DistComm, "embed", orig)
+    ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
+                                   select=lambda n: n.startswith("forward"))
+    assert final.endswith("rank_agnostic=yes"), final
 
 
 @pytest.mark.slow
 def test_tiny_rank_passes_with_native_int64():
     """Every graph of the tiny rank, with the launch's flags plus --native-int64=enabled (the one
     thing the default flags lack: the Engram hash is 64-bit)."""
-    from v4flash_backend.trn2.neuron import COMPILER_ARGS, NeuronSettings
+    from v4flash_backend.trn2.compiler import COMPILER_ARGS
+    from v4flash_backend.trn2.launch import NeuronSettings
 
     s = NeuronSettings(compiler_args=tuple(COMPILER_ARGS) + ("--native-int64=enabled",))
     ok, final, graphs = trn2.trn2_check(TINY, None, 2, 0, log=None, settings=s)

@@ -1,4 +1,5 @@
-"""Command line: `python -m v4flash_backend {golden-check,generate,placement,release-check,trn2-check} ...`."""
+"""Command line: `python -m v4flash_backend {golden-check,generate,placement,release-check,trn2-check,compile,
+device-standin} ...`."""
 
 from __future__ import annotations
 
@@ -293,6 +294,12 @@ def main(argv=None) -> int:
                                            "trn2 dtypes, kernel nodes, host reads; the Neuron launch environment")
     trn2.add_arguments(tc)
     tc.set_defaults(fn=trn2.main)
+    from v4flash_backend.group import aot
+
+    cp = sub.add_parser("compile", help="every start-up graph of a static server compiled once, ahead of time, "
+                                        "into artifacts every rank loads (compiled_artifacts)")
+    aot.add_arguments(cp)
+    cp.set_defaults(fn=aot.main)
     from v4flash_backend.checks import standin
 
     sd = sub.add_parser("device-standin", help="the served static path on a stand-in accelerator (a GPU): no host "

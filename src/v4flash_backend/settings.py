@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
+
+# a field's value from text, JSON or Python, checked; the LNC degree a flag string names
+from .settings_values import _PY_TYPES, _coerce, _parse, _parse_bool, flag_lnc
 
 OPS_BACKENDS = ("torch", "nki", "nki-sim")
 LAUNCHERS = ("torchrun", "inprocess")
@@ -53,10 +54,6 @@ GRAPH_BACKENDS = ("", "none", "eager", "aot_eager", "inductor", "neuron", "neuro
 # $V4FLASH_CPU_DECODE_GRAPH moves it (settings module docstring)
 CPU_DECODE_GRAPH = "static"
 GRAPH_WARMUPS = ("", "start", "background")
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
 
 def setting(default, doc: str, *, scope: str, choices: tuple | None = None, low: float | None = None,
             positive: bool = False, path: bool = False, flags: tuple[str, ...] = (), env: str = ""):
@@ -148,6 +145,17 @@ class Settings:
     warm_processed: bool = setting(
         True, "compile the round graphs' logit-processing variant (min_tokens, penalties, log-probs, top-k / "
         "top-p) at start; false: at its first use", scope="group")
+    compiled_artifacts: str = setting(
+        "", "directory of the static graphs compiled ahead of time (`python -m v4flash_backend compile`; its "
+        "manifest.json): every rank loads its graphs from it by graph key and compiles none; empty: compile at "
+        "start", scope="group", path=True, env="V4FLASH_COMPILED_ARTIFACTS")
+    compile_on_miss: bool = setting(
+        True, "with compiled_artifacts: compile a graph the artifacts lack (true), or refuse to start, naming "
+        "it (false: the Neuron image)", scope="group")
+    warmup_timeout_s: float = setting(
+        3600.0, "a static group's warm-up: how long a rank waits at the control-plane barrier for every rank to "
+        "have compiled or loaded its graphs, and the collective timeout while they first run (after it: "
+        "collective_timeout_s)", scope="group", positive=True)
     # ---- group, Neuron launch (ops_backend nki): every rank's environment (trn2/launch.py) -------
     neuron_lnc: int = setting(
         2, "logical NeuronCore degree: every rank's NEURON_LOGICAL_NC_CONFIG, neuronx-cc's --lnc and the NKI "
@@ -285,10 +293,11 @@ class Settings:
     def graph_warmup_mode(self) -> str:
         """graph_warmup with its default resolved: background on a one-rank CPU server whose graphs
         compile (ready at once), start elsewhere (a Neuron server: its graphs come from the persistent
-        cache, and a group's graphs run as collectives)."""
+        cache or compiled_artifacts, and a group's graphs run as collectives)."""
         if self.graph_warmup:
             return self.graph_warmup
-        background = self._one_cpu_rank and self.decode_graph_mode == "static" and self.graph_backend_name != "none"
+        background = (self._one_cpu_rank and self.decode_graph_mode == "static" and self.graph_backend_name != "none"
+                      and not self.compiled_artifacts)
         return "background" if background else "start"
 
     @property
@@ -429,82 +438,3 @@ def env_setting(name: str, environ=None):
     f = Settings.__dataclass_fields__[name]
     raw = environ.get(f.metadata["env"], "") if f.metadata["env"] else ""
     return _coerce(f, _parse(f, raw)) if raw.strip() else f.default
-
-
-_PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-_LNC_FLAGS = ("--lnc", "-lnc", "--logical-nc-config")  # neuronx-cc's spellings of the LNC option
-
-
-def flag_lnc(flags: str, name: str = "flags") -> int | None:
-    """The LNC degree a neuronx-cc flag string names (`--lnc=2`, `--lnc 2`, `--logical-nc-config 2`),
-    or None when it names none."""
-    words = shlex.split(flags)
-    found = None
-    for i, w in enumerate(words):
-        key, eq, value = w.partition("=")
-        if key not in _LNC_FLAGS:
-            continue
-        if not eq:
-            value = words[i + 1] if i + 1 < len(words) else ""
-        try:
-            found = int(value)
-        except ValueError:
-            raise ValueError(f"setting {name!r}: {key} needs an integer, got {value!r}") from None
-    return found
-
-
-def _parse_bool(key: str, raw) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"setting {key!r} must be true or false, got {raw!r}")
-
-
-def _parse(f, raw: str):
-    """A config.pbtxt string value as the field's type (range checks happen in _coerce)."""
-    kind = _PY_TYPES[str(f.type)]
-    text = raw.strip()
-    if kind is bool:
-        return _parse_bool(f.name, text)
-    if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"setting {f.name!r} must be an integer, got {raw!r}") from None
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"setting {f.name!r} must be a number, got {raw!r}") from None
-    return text
-
-
-def _coerce(f, value):
-    """Type and range check of one field's value (from Python, JSON or parsed text)."""
-    kind = _PY_TYPES[str(f.type)]
-    m = f.metadata
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"setting {f.name!r} must be true or false, got {value!r}")
-    elif kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"setting {f.name!r} must be an integer, got {value!r}")
-    elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"setting {f.name!r} must be a number, got {value!r}")
-        value = float(value)
-    else:
-        if not isinstance(value, str):
-            value = str(value)  # a Path
-    if m["choices"] and value not in m["choices"]:
-        raise ValueError(f"setting {f.name!r} must be one of {', '.join(c or repr(c) for c in m['choices'])}, "
-                         f"got {value!r}")
-    if m["low"] is not None and value < m["low"]:
-        raise ValueError(f"setting {f.name!r} must be >= {m['low']}, got {value}")
-    if m["positive"] and not value > 0:
-        raise ValueError(f"setting {f.name!r} must be > 0, got {value}")
-    return value

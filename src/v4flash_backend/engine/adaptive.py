@@ -95,7 +95,7 @@ class AdaptivePolicy:
 
     def _adaptive_plan(self, seqs: list[Seq], decision: str) -> dict:
         """The draft graph's admission inputs (static_round.draft_round), as `RoundPlan` fields
-        (t_draft, cal, fixed_ell; trn2.round_plan): with dspark_adaptive, each
+        (t_draft, cal, fixed_ell; engine.round_plan): with dspark_adaptive, each
         row's calibration (T_k, b_k) of its regime and the draft seconds by live rows R (admission
         then reads `StepCost.sps_for(R)`, as `_draft`); without, the raw head (T = 0) and the
         forward's table. A probe admits one draft per row."""
@@ -108,7 +108,7 @@ class AdaptivePolicy:
             cal, t_draft = [[(0.0, 0.0)] * G] * S, [0.0] * (S + 1)
         if decision == "probe" or self._explore:
             fixed = [1 if decision == "probe" else self.settings.fixed_len] * S
-        else:  # admission, with the guard's floor as -1 - floor (-1: none; trn2.round_plan)
+        else:  # admission, with the guard's floor as -1 - floor (-1: none; engine.round_plan)
             fixed = [-1 - f for f in self._guard_floors(seqs)]
         return dict(cal=cal, t_draft=t_draft, fixed_ell=fixed)
 

@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
+from v4flash_backend.engine.round_plan import STOP_WIDTH
 from v4flash_backend.request import GenerateRequest, RequestError
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.round_plan import STOP_WIDTH
 
 from .adaptive import AdaptivePolicy
 from .calibration import regime
@@ -44,7 +44,7 @@ from .step_profile import StepProfiler
 from .validation import check_request
 
 # the engine's public names, importable from here as before the split into modules
-# (STOP_WIDTH, a graph-shape constant, is the round plan types': trn2.round_plan)
+# (STOP_WIDTH, a graph-shape constant, is the round plan types': engine.round_plan)
 __all__ = ["CONTEXT_IDS", "KIND_OF", "ON_DEVICE", "STEP_KINDS", "STOP_WIDTH", "Engine", "Event", "Seq"]
 
 

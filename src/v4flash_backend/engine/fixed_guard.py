@@ -19,7 +19,7 @@ guard moves admission toward fixed: the regime's floor on admitted drafts rises 
 then the schedule is fixed-length drafting); once the schedule is ahead by more than RELAX, or has
 held EASE_EVERY steps, the floor eases back by one (a floor still needed comes back). A request's
 drafts are max(admit's, its regime's floor), on eager steps and in the static rounds alike (their
-`fixed_ell` input, -1 - floor: trn2.round_plan). The floor is a function of past steps, fixed before
+`fixed_ell` input, -1 - floor: engine.round_plan). The floor is a function of past steps, fixed before
 the draws it gates, so admission stays lossless: whether draft j is verified depends on admit's
 early-stopped walk (lossless) or on j < floor (no draw at all). A shift of the confidences was
 tried first: under a profile that prices a verify row above what even a sure draft returns, no

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan, RoundResult, filters_sampling
+from v4flash_backend.engine.round_plan import STOP_WIDTH, RoundPlan, RoundResult, filters_sampling
 
 from .dspark_sched import sps_tensors
 from .seq import KIND_OF, ON_DEVICE, Seq

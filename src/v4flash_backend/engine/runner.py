@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan
 from v4flash_backend.model.dspark import DraftOutput, DSparkDrafter
 from v4flash_backend.model.snapshot import SnapshotStore
 from v4flash_backend.model.state import ModelState, make_segments
 from v4flash_backend.model.transformer import StepOutput, V41Model
-from v4flash_backend.trn2.round_plan import RoundPlan
 
 
 class Runner(Protocol):

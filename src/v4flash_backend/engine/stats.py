@@ -54,6 +54,9 @@ class EngineStats:
         c = self.runner.counters
         d.update(dt, decode_graph=self.runner.decode_graph,
                  graphs_compiled=c.get("graphs_compiled", 0),
+                 # a static rank's start-up (trn2.startup): graphs compiled, and loaded from compiled_artifacts
+                 startup_graphs_compiled=c.get("startup_graphs_compiled", 0),
+                 startup_graphs_loaded=c.get("startup_graphs_loaded", 0),
                  prefill_graphs=c.get("prefill_graphs", 0),
                  boundary_resident_moves=c.get("boundary_resident_moves"),
                  boundary_reads=c.get("boundary_reads"),

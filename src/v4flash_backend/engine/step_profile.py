@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
+from v4flash_backend.engine.round_plan import STOP_WIDTH, RoundPlan
 from v4flash_backend.settings import Settings
-from v4flash_backend.trn2.round_plan import STOP_WIDTH, RoundPlan
 
 from . import dspark_accept as acc
 from .dspark_sched import SPSTable, admit

@@ -42,17 +42,19 @@ def _log(rank: int, msg: str) -> None:
     print(f"[v4flash rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
+def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, capture=None):
     """This rank's runner: decode_graph static -> the static round graphs (compiled with
-    graph_backend, every bucket at start, or in the background with graph_warmup background:
-    trn2.warmup), eager -> the op-by-op LocalRunner. Every rank builds the same kind, so the ranks
-    meet in the same collectives."""
+    graph_backend, every bucket at start -- or loaded from compiled_artifacts -- or in the background
+    with graph_warmup background: trn2.warmup), eager -> the op-by-op LocalRunner. Every rank builds
+    the same kind, so the ranks meet in the same collectives. capture: the compile command's
+    (`group.aot`): the graphs are traced and handed to it, nothing runs."""
     from v4flash_backend.engine.runner import LocalRunner
 
     if settings.decode_graph_mode != "static":
         return LocalRunner(model, settings.max_num_seqs + 1, settings.max_model_len,  # +1: the SPS scratch slot
                            count_host_syncs=settings.count_host_syncs)
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     ns = NeuronSettings.from_settings(settings)  # compile backend and flags: the settings' Neuron view
     background = settings.graph_warmup_mode == "background" and ns.backend != "none"
@@ -71,7 +73,7 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
         device = device or nki_ops.DEVICE
         os.environ["V4FLASH_NKI_STRICT"] = "1"
     if device and device != "cpu":  # the NeuronCore, or a GPU standing in for one (checks/standin.py)
-        from v4flash_backend.trn2.neuron import place_resident
+        from v4flash_backend.trn2.static_runner import place_resident
 
         _log(rank, f"placed {place_resident(runner, device)} tensors on the {device} device")
     mode = settings.spec_mode if model.cfg.dspark_block_size else "off"
@@ -91,16 +93,38 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr):
                    "background (every bucket's rounds, smallest first; the rest as traffic needs them); eager "
                    "steps serve until a set is warm")
         return runner
-    t0 = time.monotonic()
-    runner.graphs.warm_up(progress if rank == 0 else None, mode=mode, fixed_len=settings.fixed_len,
-                          stop_width=STOP_WIDTH, processed=settings.warm_processed)
-    if nodraft:
-        runner.warm_up_nodraft(progress if rank == 0 else None, stop_width=STOP_WIDTH,
-                               processed=settings.warm_processed)
-    runner.warm_up_prefill(progress if rank == 0 else None)
-    _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets warm in "
-               f"{time.monotonic() - t0:.1f} s")
+    source = capture if capture is not None else artifact_source(settings, model, ns)
+    if source is not None:
+        runner.set_artifacts(source)
+    if ns.backend == "none":  # the graphs run op by op: nothing to compile or load
+        return runner
+    from v4flash_backend.trn2 import startup
+
+    t = startup.warm_up(runner, mode, settings.fixed_len, STOP_WIDTH, settings.warm_processed, nodraft,
+                        coll=None if capture is not None else getattr(model.comm, "coll", None),
+                        warmup_timeout_s=settings.warmup_timeout_s,
+                        collective_timeout_s=settings.collective_timeout_s,
+                        progress=progress if rank == 0 else None, execute=capture is None)
+    if capture is None:
+        _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets, {t['compiled']} graphs "
+                   f"compiled and {t['loaded']} loaded in {t['compile_s']:.1f} s, first run in {t['run_s']:.1f} s")
     return runner
+
+
+def artifact_source(settings: Settings, model, ns):
+    """The compiled artifacts this rank loads its graphs from (`trn2.artifacts`), checked against
+    this server before anything is traced; None without compiled_artifacts."""
+    if not settings.compiled_artifacts:
+        return None
+    from v4flash_backend.parallel.collectives import group_roles
+    from v4flash_backend.trn2.artifacts import ArtifactError, ArtifactSource, ArtifactStore, expectations
+
+    if ns.backend == "none":
+        raise ArtifactError("compiled_artifacts needs a graph_backend that compiles (none runs the graphs op by op)")
+    coll = getattr(model.comm, "coll", None)
+    store = ArtifactStore.open(settings.compiled_artifacts)
+    store.check(expectations(model.cfg, ns, coll.size("world") if coll is not None else 1))
+    return ArtifactSource(store, group_roles(coll) if coll is not None else {}, settings.compile_on_miss)
 
 
 def _cxx() -> str | None:

@@ -2,7 +2,7 @@
 sets the rank's environment, then becomes `python -m v4flash_backend.group.worker ...`).
 
 Every rank loads its shard (`parallel`; with pipeline stages, its stage's layers) and a runner:
-`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.neuron.StaticRunner`
+`LocalRunner` (decode_graph eager) or the static round graphs' `trn2.static_runner.StaticRunner`
 (decode_graph static; `group.build.build_runner`). Rank 0 owns the request queue, the
 scheduler and sampling (`engine.Engine`) behind a socket server; its runner is a `PlanRunner`,
 which broadcasts every runner call as a fixed-size int64 step plan before running it, so ranks
@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan
 from v4flash_backend.group.lifetime import (
     _check_rank_env,
     _die_with_parent,
@@ -70,7 +71,6 @@ from v4flash_backend.group.plan_codec import (
 )
 from v4flash_backend.group.server import Server
 from v4flash_backend.parallel.micro_batch import MicroBatchRunner
-from v4flash_backend.trn2.round_plan import RoundPlan
 
 
 def pack_round(plan: RoundPlan):
@@ -159,7 +159,7 @@ class PlanRunner:
         buf[:HDR] = _long([MAGIC, op, self.seq, n, *a, *([0] * (4 - len(a)))])
         if n:
             buf[HDR:HDR + n] = body
-        self.coll.broadcast(buf, self.src, "world")
+        self.coll.broadcast(buf, self.src, "control")  # the control plane: gloo (parallel.collectives)
         self.seq += 1
         self.sent[OP_NAMES[op]] += 1
         self.last_send = time.monotonic()
@@ -208,7 +208,7 @@ class PlanRunner:
     def heartbeat_if_due(self) -> None:
         if self.heartbeat_due_in() == 0.0:
             self._send(OP_NOOP)
-            self.coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+            self.coll.all_reduce(torch.zeros(1), "control", "heartbeat")
 
     def stop(self) -> None:
         self._send(OP_STOP)
@@ -222,14 +222,14 @@ def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True
     buf = torch.zeros(plan_size, dtype=torch.long)
     seq = 0
     while True:
-        coll.broadcast(buf, src, "world")
+        coll.broadcast(buf, src, "control")
         magic, op, got, n, *a = buf[:HDR].tolist()
         if magic != MAGIC or got != seq or not 0 <= n <= buf.numel() - HDR:
             raise PlanError(f"bad plan header {buf[:HDR].tolist()} (expected sequence {seq})")
         seq += 1
         body = buf[HDR:HDR + n]
         if op == OP_NOOP:
-            coll.all_reduce(torch.zeros(1), "world", "heartbeat")
+            coll.all_reduce(torch.zeros(1), "control", "heartbeat")
             continue
         if op == OP_STOP:
             return seq
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     if lay.pipeline > 1 and settings.pipeline_micro_batches > 1:
         local = MicroBatchRunner(local, settings.pipeline_micro_batches)
     # every rank's pid (for health reports); also the barrier after which all ranks are ready
-    pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "world", "setup")]
+    pids = [int(p) for p in coll.all_gather(torch.tensor([os.getpid()]), "control", "setup")]
     _log(rank, f"loaded shard {rank}/{lay.world} in {time.monotonic() - t0:.1f} s")
     if lay.pipeline > 1:
         lo, hi = lay.stage_layers(model.cfg)

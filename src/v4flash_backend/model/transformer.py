@@ -99,8 +99,7 @@ class V41Model:
     # ---- pieces, also used by the golden per-layer replay -------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.W["embed.weight"]
-        start = self.W.meta.get("vocab_start", 0)
-        local = tokens - start
+        local = tokens - self.W.rank_offset("vocab_start")  # a tensor on a shard: see Weights
         miss = (local < 0) | (local >= table.shape[0])
         y = table[local.masked_fill(miss, 0)].masked_fill(miss.unsqueeze(-1), 0)
         return self.comm.embed(y)

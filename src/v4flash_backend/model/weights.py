@@ -20,11 +20,22 @@ _FP32_SUFFIXES = ("markov_head.head.weight", "confidence_head.proj.weight")
 
 class Weights(dict):
     """{checkpoint name: tensor}, plus `meta` for facts derived from the names or the shard layout
-    (which experts this rank holds, the first Engram row of its shard, ...)."""
+    (which experts this rank holds, the first Engram row of its shard, ...).
+
+    What a rank's shard starts at (its first vocabulary row, first local expert id, first Engram row)
+    is a rank offset: a 0-dim int64 tensor in `meta["rank_offsets"]` (`parallel.layout.load_shard`
+    makes them; `trn2.static_runner.place_resident` puts them beside the weights), never a Python int
+    the forward computes with. A static graph then reads the offset as an input, so every rank of a
+    world traces the same graph per bucket (one compile for all ranks: `trn2.graph_key`); a traced
+    int would be a constant of rank r's graph alone. Without a shard (W = 1) an offset is 0."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.meta: dict = {}
+
+    def rank_offset(self, name: str):
+        """Rank offset `name` (a 0-dim int64 tensor), or 0 where the weights are not a shard."""
+        return self.meta.get("rank_offsets", {}).get(name, 0)
 
 
 def convert(name: str, t: torch.Tensor, cfg: ModelConfig, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -225,11 +225,31 @@ def ensure(backend: str | None = None) -> None:
     _route = route
 
 
-def _register(definer) -> None:
+def _register(definer, namespace: str = NAMESPACE) -> list[str]:
+    """Define every op through the route's definer, and register our fake (shape) implementation only
+    where the definer registered none: a route that brings its own (torch-neuronx's `nki_op` may infer
+    one from the kernel) keeps it, and registering a second one would raise (a Library op) or silently
+    replace it (a custom_op). Returns the ops whose fake is ours."""
+    ours = []
     for name, fn in OPS.items():
-        qualname = f"{NAMESPACE}::{name}"
+        qualname = f"{namespace}::{name}"
         definer(qualname, mutates_args=())(fn)
-        torch.library.register_fake(qualname, FAKES[name])
+        if not has_fake(qualname):
+            torch.library.register_fake(qualname, FAKES[name])
+            ours.append(name)
+    return ours
+
+
+def has_fake(qualname: str) -> bool:
+    """Whether op `qualname` has a fake implementation, asked of torch.library: an op defined by
+    `torch.library.custom_op` (a CustomOpDef) carries one once `register_fake` ran on it; an op defined
+    through a `torch.library.Library` has one in the op registry's fake-impl holder."""
+    opdef = torch.library._maybe_get_opdef(qualname)
+    if opdef is not None:
+        return opdef._abstract_fn is not None
+    from torch._library.simple_registry import singleton
+
+    return singleton.find(qualname).fake_impl.kernel is not None
 
 
 def op(name: str) -> torch._ops.OpOverload:

@@ -16,6 +16,12 @@ from v4flash_backend import ops as _ops
 from v4flash_backend.formats import quant
 
 
+@torch.compiler.assume_constant_result
+def _f32(v: float) -> float:
+    """v rounded to fp32, as a Python float: a constant of a traced graph (dynamo would otherwise put
+    the numpy call into the graph, which a compiled artifact's source cannot name)."""
+    return float(np.float32(v))
+
 def _exact() -> bool:
     return _ops.get_numerics() == "exact"
 
@@ -237,7 +243,7 @@ def _sparse_attn_exact(q, kv, sink, idxs, scale):
     n, k = kv.shape[1], idxs.shape[-1]
     ix = idxs.long()
     valid = ix >= 0
-    sc = float(np.float32(scale))  # fp32-rounded, no tensor
+    sc = _f32(scale)  # fp32-rounded, no tensor
     dense = _dense_scores(m, n, k)
     if dense:
         kvd = kv.double()

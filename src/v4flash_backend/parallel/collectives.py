@@ -17,8 +17,9 @@ from .layout import ATTN_GROUP_MAX, Layout
 
 
 class Collectives:
-    """The one place that calls torch.distributed during serving. Groups are named: 'world' and
-    'attn' (this rank's attention group; the world itself when W <= 8). Counters are
+    """The one place that calls torch.distributed during serving. Groups are named: 'world', 'stage',
+    'attn' (this rank's attention group; the world itself when W <= 8) on the device backend, and
+    'control' on gloo (plans, heartbeats, barriers: `make_groups`). Counters are
     {(group, op): [calls, bytes, seconds]} for the whole run (`total`), the step in progress
     (`step`) and the last finished step (`last_step`); bytes are this rank's payload."""
 
@@ -107,6 +108,29 @@ class Collectives:
         self._count(group, "broadcast", t.numel() * t.element_size(), t0)
         return t
 
+    def barrier(self, group: str = "control", timeout_s: float | None = None, label: str = "barrier") -> None:
+        """Every rank of `group` (a gloo group: the control plane) arrives before any leaves; a rank
+        missing for `timeout_s` (default: the group's) raises, naming the ranks that did not arrive."""
+        if self.size(group) == 1:
+            return
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.monitored_barrier(group=self.groups[group], **kw)
+        self._count(group, label, 0, t0)
+
+    def set_timeout(self, seconds: float, roles=("world", "stage", "attn")) -> None:
+        """The collective timeout of the device groups (`roles`) from now on: raised for a rank's
+        warm-up (`trn2.startup`), set back after it. A torch whose groups cannot change it keeps theirs."""
+        from torch.distributed import distributed_c10d as c10d
+
+        setter = getattr(c10d, "_set_pg_timeout", None)
+        if setter is None or self.size("world") == 1:
+            return
+        for pg in {id(self.groups[r]): self.groups[r] for r in roles if r in self.groups}.values():
+            setter(timedelta(seconds=seconds), pg)
+
     def count_traced(self, counts: dict[str, int]) -> None:
         """Book the collectives of one compiled-graph execution (calls only: inside a graph they
         cannot be timed or sized from here), under group 'graph'."""
@@ -159,15 +183,22 @@ def graph_collectives(gm) -> dict[str, int]:
     return out
 
 
+# the groups of a rank, by role: the model's collectives ('world', 'stage', 'attn') run over the device
+# backend; 'control' (plans, heartbeats, barriers, every CPU tensor) over gloo
+DEVICE_ROLES = ("world", "stage", "attn")
+CONTROL_BACKEND = "gloo"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
                      pipeline: int | None = None, group_max: int | None = None) -> tuple[Layout, Collectives]:
     """Join the process group torchrun describes (RANK / WORLD_SIZE / MASTER_ADDR in the
     environment) and create the stage and attention groups. `pipeline` stages (default
     the pipeline_parallel setting: $V4FLASH_PIPELINE or 1) split the world into consecutive blocks
     of ranks. A collective that waits longer than `timeout_s` raises, so a hung or dead peer ends
-    the rank instead of blocking it forever. Groups: 'world' (every rank: plans, heartbeats),
-    'stage' (this rank's stage: the model's embed / MoE / Engram / head collectives; the world
-    itself when pipeline is 1), 'attn'.
+    the rank instead of blocking it forever. Groups: 'world' (every rank), 'stage' (this rank's
+    stage: the model's embed / MoE / Engram / head collectives; the world itself when pipeline is
+    1), 'attn', all on `backend` (the device backend: neuron on trn2, gloo on a CPU), and 'control'
+    (every rank, gloo: `make_groups`).
     group_max: the attention group size bound (`layout.attention_group_max` of the checkpoint over
     one stage's ranks); the environment's V4FLASH_ATTN_GROUP wins."""
     import torch.distributed as dist
@@ -185,6 +216,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
+    return lay, make_groups(lay, timeout, backend)
+
+
+def make_groups(lay: Layout, timeout, backend: str) -> Collectives:
+    """The groups of `lay`'s rank in the initialized default group (whose backend is `backend`), every
+    rank creating every group in the same order. A device backend (neuron) takes device tensors
+    only, as PyTorch's composite "cpu:gloo,<device>:<backend>" form and vllm-neuron's native route
+    ("cpu:gloo,neuron:neuron": the device backend "needs Gloo for CPU control-plane collectives")
+    say: the control plane -- step plans, stop and heartbeat messages, the setup gather, barriers,
+    every CPU tensor -- gets a gloo group of its own ('control'); with gloo as the device backend (a
+    CPU) it is the world group itself."""
+    import torch.distributed as dist
+
+    P = lay.pipeline
     world_pg = dist.group.WORLD
     stage_pg = world_pg
     if P > 1:  # every rank creates every group, in the same order
@@ -198,9 +243,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = 60.0,
             pg = dist.new_group(lay.group_ranks(g), timeout=timeout)
             if g == lay.group_index:
                 attn_pg = pg
-    groups = {"world": world_pg, "stage": stage_pg, "attn": attn_pg}
-    coll = Collectives(groups, {"world": world, "stage": lay.stage_world, "attn": lay.group_size})
-    return lay, coll
+    control_pg = world_pg if backend == CONTROL_BACKEND else dist.new_group(timeout=timeout, backend=CONTROL_BACKEND)
+    groups = {"world": world_pg, "stage": stage_pg, "attn": attn_pg, "control": control_pg}
+    return Collectives(groups, {"world": lay.world, "stage": lay.stage_world, "attn": lay.group_size,
+                                "control": lay.world})
+
+
+def group_roles(coll: Collectives) -> dict[str, str]:
+    """{process-group name: role} of the model's device groups (a group serving several roles gets
+    the first of DEVICE_ROLES): what a compiled graph's collectives name, by role (trn2.graph_key)."""
+    out: dict[str, str] = {}
+    for role in DEVICE_ROLES:
+        pg = coll.groups.get(role)
+        name = getattr(pg, "group_name", None)
+        if name is not None:
+            out.setdefault(name, role)
+    return out
 
 
 def is_rank0() -> bool:

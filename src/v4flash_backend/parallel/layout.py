@@ -12,7 +12,8 @@ Layout (the same code at W = 1, 2, 4 with gloo on CPU and W = 64 on trn2.48xlarg
 - embedding and LM head are vocab-parallel: rank r holds rows [r*C, (r+1)*C) with C = V/W
   rounded up to a multiple of 128 (zero rows pad the last shard); masked embedding + world
   all-reduce, logits all-gather;
-- Engram tables are row-partitioned (ceil split, as the reference); masked lookup + all-reduce;
+- Engram tables are row-partitioned (ceil split, as the reference; the last shard padded with zero
+  rows to the common size, as the vocabulary's); masked lookup + all-reduce;
 - shared expert, router, mHC, norms, DSpark main_proj, Markov and confidence heads replicated.
 
 Numerics are W-invariant: row-parallel partial products (wo_b, the indexer's head sum) are
@@ -252,8 +253,10 @@ def shard_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig, lay: Layout)
         a, b = lay.expert_range(_layer_experts(cfg, top, idx))
         return FULL if a <= int(e.group(1)) < b else None
     if rest.startswith("engram.embed."):
+        # ceil-sized row chunks; the last rank's shorter one padded with zero rows to the same size (no
+        # hash id reaches them), so every rank's Engram table -- a graph input -- has one shape
         a, b = shard_range(shape[0], lay.srank, lay.stage_world)
-        return ("slice", 0, a, b, b - a)
+        return ("slice", 0, a, b, -(-shape[0] // lay.stage_world))
     is_scale = rest.endswith(".scale")
     unit = FP8_BLOCK if is_scale else 1  # a scale row/column covers 32 weight rows/columns
     base = rest[: -len(".scale")] if is_scale else rest[: -len(".weight")] if rest.endswith(".weight") else rest
@@ -308,6 +311,11 @@ def load_shard(reader: CheckpointReader, cfg: ModelConfig, lay: Layout) -> Weigh
             if f"{top}.{i}.ffn.gate.weight" in reader and lay.holds_layer(cfg, top, i):
                 experts[f"{top}.{i}.ffn"] = list(range(*lay.expert_range(_layer_experts(cfg, top, i))))
     out.meta["experts"] = experts
+    # the same starts as tensors, which the forward computes with (model.weights.Weights.rank_offset)
+    offsets = {"vocab_start": out.meta["vocab_start"]}
+    offsets |= {f"engram_row_start.{i}": v for i, v in out.meta["engram_row_start"].items()}
+    offsets |= {f"expert_start.{p}": ids[0] for p, ids in experts.items() if ids}
+    out.meta["rank_offsets"] = {k: torch.tensor(v, dtype=torch.long) for k, v in offsets.items()}
     out.meta["layout"] = (lay.rank, lay.world)
     out.meta["stage_layers"] = lay.stage_layers(cfg)
     out.meta["pipeline"] = (lay.stage, lay.pipeline)

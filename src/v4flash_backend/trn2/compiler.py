@@ -4,12 +4,19 @@ dynamic=False) through a checking backend that rejects a graph with a host sync 
 torch-neuronx / TorchNeuron, or `neuron_libtorch` = libtorch-neuronx-lite, which takes the flags as
 `compiler_args`). Every Neuron-only import happens inside `import_neuron()`; with `backend="none"` or
 `"eager"` (what the CPU tests use) nothing Neuron is loaded.
+
+With compiled artifacts (`trn2.artifacts.ArtifactSource`: the server's `compiled_artifacts`, or the
+compile command's capture) a traced graph is first keyed (`trn2.graph_key`) and loaded by its key
+instead of compiled. Under `compile_only()` a compiled graph's call returns empty outputs of its
+shapes without running it: a rank's warm-up compiles or loads every graph that way, meets the other
+ranks, and only then runs them (`trn2.startup`), so no collective waits on another rank's compile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +30,12 @@ from .launch import NeuronSettings
 from .static_step import graph_host_syncs
 
 COMPILER_ARGS = NeuronSettings().compiler_args  # the default neuronx-cc flags (trn2.launch builds them)
+# Every bucket's graph of one entry point is a dynamo cache entry of one code object (the function
+# closing over the bucket: StaticGraphs' round and verify functions), and dynamo stops at
+# recompile_limit entries per code object (8 in torch 2.13): the 9th bucket's compile failed
+# (fullgraph: FailOnRecompileLimitHit) -- 12 decode buckets by default. The served graphs' count is
+# bounded by the buckets (trn2.graphs.startup_graphs), far below this.
+RECOMPILE_LIMIT = 1024
 NEURON_BACKENDS = {"neuron": "torch_neuronx", "neuron_libtorch": "libtorch_neuronx_lite"}
 
 
@@ -51,6 +64,21 @@ class CompileStats:
     collectives: list = field(default_factory=list)  # per compiled graph: {op: count} of traced collectives
     input_dtypes: set = field(default_factory=set)  # dtypes of the compiled graphs' tensor inputs
     express_calls: int = 0  # calls that went to a compiled graph without dynamo's guards (trn2.express)
+    names: list = field(default_factory=list)  # graphs handed to the backend or loaded, by name
+
+
+_PHASE = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Calls of compiled graphs in this thread compile (or load) them and return empty outputs of the
+    graphs' shapes instead of running them: no device work, no collective (trn2.startup's first phase)."""
+    _PHASE.compile_only = True
+    try:
+        yield
+    finally:
+        _PHASE.compile_only = False
 
 
 def _check_cc_flags(s: NeuronSettings) -> None:
@@ -59,7 +87,7 @@ def _check_cc_flags(s: NeuronSettings) -> None:
     every flag of `s` must be there (flags added by others may be too) and no other LNC degree."""
     import shlex
 
-    from v4flash_backend.settings import flag_lnc
+    from v4flash_backend.settings_values import flag_lnc
 
     have = os.environ.get("NEURON_CC_FLAGS", "")
     missing = [a for a in s.compiler_args if a not in shlex.split(have)]
@@ -80,18 +108,24 @@ def _inductor_config():
     return config.patch(emulate_precision_casts=True, cpp_wrapper=True)
 
 
-def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=None):
+def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=None, name: str = "",
+                 artifacts=None):
     """torch.compile(fn) as one graph for the Neuron backend of `s`, refusing host syncs. lock: held
     while the compiled graph runs (not while it compiles): a graph compiled in the background
     (trn2.warmup) runs its padding rounds between the serving thread's eager steps, which hold it --
     a compiled graph may write a state tensor whole (a functionalized scatter copied back), which
-    must not interleave with an eager step writing other slots of it."""
+    must not interleave with an eager step writing other slots of it. name: the graph's name (in
+    messages, the compile command's manifest). artifacts: a `trn2.artifacts.ArtifactSource` (load the
+    graph by its key; or the compile command's capture)."""
     ops.backend_module()  # resolve the ops backend now: the graph must not trace an import
     if s.backend == "none":  # no compilation: the static step runs op by op (CPU tests, projection)
         return fn
     import_neuron(s)
     if s.backend == "neuron":
         _check_cc_flags(s)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
     backend_config = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
@@ -106,13 +140,26 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
         traced["collectives"] = graph_collectives(gm)
         stats.input_dtypes |= {t.dtype for t in example_inputs if isinstance(t, torch.Tensor)}
         stats.collectives.append(traced["collectives"])
-        t0 = time.perf_counter()
-        with backend_config:
-            out = inner(gm, example_inputs, **kwargs)
-        stats.graphs += 1
-        stats.seconds += time.perf_counter() - t0
+        stats.names.append(name)
+
+        def compile_now():
+            t0 = time.perf_counter()
+            with backend_config:
+                out = inner(gm, example_inputs, **kwargs)
+            stats.graphs += 1
+            stats.seconds += time.perf_counter() - t0
+            return out
+
+        if artifacts is None:
+            out = compile_now()
+        else:
+            from .graph_key import graph_key, key_flags
+
+            key = graph_key(gm, example_inputs, key_flags(s), artifacts.roles)
+            out = artifacts.resolve(name, key, compile_now, gm=gm, example_inputs=example_inputs)
         if lock is not None:
             out = _holding(lock, out)
+        out = _gated(out, gm)
         return out if express is None else express.plan(gm, example_inputs, out)
 
     traced: dict = {}
@@ -130,7 +177,32 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
 
     run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
     run.express = express
+    run.graph_name = name
     return run
+
+
+def _gated(compiled, gm):
+    """`compiled`, returning empty outputs of the graph's shapes instead of running while
+    `compile_only()` is on (the outputs are what the graph's output node recorded)."""
+    def call(*args):
+        if getattr(_PHASE, "compile_only", False):
+            return _empty_outputs(gm)
+        return compiled(*args)
+
+    return call
+
+
+def _empty_outputs(gm):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+
+    def empty(a):
+        v = a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else a
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+        return v
+
+    res = out.args[0]
+    return type(res)(empty(a) for a in res) if isinstance(res, (tuple, list)) else empty(res)
 
 
 def _holding(lock, compiled):

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan
+
 from .compiler import CompileStats, compile_step
 from .launch import NeuronSettings
-from .round_plan import RoundPlan
 from .static_step import Bucket, StaticDecoder, bucket_sizes
 
 
@@ -73,14 +74,15 @@ def uncounted():
 
 
 class _Progress:
-    def __init__(self, total: int, out, width: int = 24):
+    def __init__(self, total: int, out, title: str = "warm-up", width: int = 24):
         self.total, self.out, self.width, self.t0 = total, out, width, time.perf_counter()
+        self.title = title
 
     def show(self, done: int, what: str) -> None:
         if self.out is None:
             return
         fill = self.width * done // max(self.total, 1)
-        self.out.write(f"\r[neuron warm-up] [{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} "
+        self.out.write(f"\r[neuron {self.title}] [{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} "
                        f"{what} {time.perf_counter() - self.t0:.1f}s")
         if done == self.total:
             self.out.write("\n")
@@ -99,6 +101,8 @@ class StaticGraphs:
     executions: int = 0  # graph executions (verify + draft calls)
     primed: bool = False  # `prime` ran (the host-side caches it fills are the model's: once is enough)
     lock: object = None  # held while a compiled graph runs (compile_step; the runner's graph_lock)
+    label: str = ""  # what the graphs are named by: "" (decode rounds), "plain" (plain-decode), "prefill"
+    artifacts: object = None  # trn2.artifacts.ArtifactSource: graphs loaded by key (compiled_artifacts)
     _verify: dict = field(default_factory=dict)
     _draft: dict = field(default_factory=dict)
     _rverify: dict = field(default_factory=dict)
@@ -120,7 +124,9 @@ class StaticGraphs:
                 def fn(slot, start, n, pending, temperature, top_k, top_p, seed, rnd, budget, stop_ids):
                     return verify_round(dec, blk, b.ctx, slot, start, n, pending, temperature, top_k, top_p, seed,
                                         rnd, budget, stop_ids)
-            self._rverify[(b, processed)] = compile_step(fn, self.settings, self.stats, self.lock)
+            kind = "plain round" if self.label == "plain" else "round verify"
+            name = f"{kind} {b}{' processed' if processed else ''}"
+            self._rverify[(b, processed)] = self._compile(fn, name)
         return self._rverify[(b, processed)]
 
     def round_draft_graph(self, b: Bucket, mode: str, fixed_len: int, processed: bool = False):
@@ -137,8 +143,12 @@ class StaticGraphs:
             else:
                 def fn(*a):
                     return draft_round(dec, blk, mode, fixed_len, *a)
-            self._rdraft[key] = compile_step(fn, self.settings, self.stats, self.lock)
+            mname = f"fixed{fixed_len}" if mode == "fixed" else mode
+            self._rdraft[key] = self._compile(fn, f"round draft {b} {mname}{' processed' if processed else ''}")
         return self._rdraft[key]
+
+    def _compile(self, fn, name: str):
+        return compile_step(fn, self.settings, self.stats, self.lock, name, self.artifacts)
 
     def _ran(self, graph) -> None:
         """Count one graph execution and the collectives traced into it (counting stays outside
@@ -175,14 +185,14 @@ class StaticGraphs:
     def verify_graph(self, b: Bucket):
         if b not in self._verify:
             dec = self.decoder
-            self._verify[b] = compile_step(lambda tokens, slot, start, n: dec.verify(tokens, slot, start, n, b.ctx),
-                                           self.settings, self.stats, self.lock)
+            self._verify[b] = self._compile(lambda tokens, slot, start, n: dec.verify(tokens, slot, start, n, b.ctx),
+                                            f"{'prefill' if self.label == 'prefill' else 'forward'} {b}")
         return self._verify[b]
 
     def draft_graph(self, b: Bucket):
         key = (b.seqs, b.rows)  # the draft graph does not depend on the context bound
         if key not in self._draft:
-            self._draft[key] = compile_step(self.decoder.draft, self.settings, self.stats, self.lock)
+            self._draft[key] = self._compile(self.decoder.draft, f"draft S={b.seqs} Q={b.rows}")
         return self._draft[key]
 
     def verify(self, b: Bucket, tokens, slot, start, n):

@@ -40,7 +40,8 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from v4flash_backend.settings import Settings, flag_lnc
+from v4flash_backend.settings import Settings
+from v4flash_backend.settings_values import flag_lnc
 
 # neuronx-cc arguments of the served graphs (the port's set): trn2 target, transformer model type, -O1,
 # no automatic down-casting (the kernels' numerics are fp32 where the reference is), and e4m3fn
@@ -92,6 +93,9 @@ class NeuronSettings:
     # dynamo's guards on every graph call (True), or once, then the compiled graph directly while the
     # arguments and global state match (trn2.express: what the graphs capture is resident)
     guard_every_call: bool = False
+    # the NEFF cache the compile command filled (compiled_artifacts/neff, trn2.artifacts), read instead of
+    # neuron_cache_dir's; empty: neuron_cache_dir's
+    neff_dir: str = ""
 
     def __post_init__(self):
         if self.compiler_args is None:
@@ -103,11 +107,12 @@ class NeuronSettings:
     def from_settings(cls, s: Settings) -> "NeuronSettings":
         return cls(lnc=s.neuron_lnc, backend=s.graph_backend_name,
                    compiler_args=cc_flags(s.neuron_lnc, s.neuron_cc_flags_override, s.neuron_cc_flags),
-                   cache_dir=s.neuron_cache_dir, dist_backend=s.dist_backend or "neuron", pin_core=s.neuron_pin_cores)
+                   cache_dir=s.neuron_cache_dir, dist_backend=s.dist_backend or "neuron", pin_core=s.neuron_pin_cores,
+                   neff_dir=os.path.join(s.compiled_artifacts, "neff") if s.compiled_artifacts else "")
 
 
-def cache_dirs(cache_dir: str) -> dict[str, str]:
-    return {"TORCH_NEURONX_NEFF_CACHE_DIR": os.path.join(cache_dir, "neff"),
+def cache_dirs(cache_dir: str, neff_dir: str = "") -> dict[str, str]:
+    return {"TORCH_NEURONX_NEFF_CACHE_DIR": neff_dir or os.path.join(cache_dir, "neff"),
             "TORCH_NEURONX_HLO_CACHE_DIR": os.path.join(cache_dir, "hlo"),
             "NEURON_COMPILE_CACHE_URL": os.path.join(cache_dir, "neuronx-cc")}
 
@@ -123,7 +128,7 @@ def neuron_env(s: NeuronSettings | Settings, local_rank: int | None = None) -> d
         "V4FLASH_NKI_GRID": str(s.lnc),  # the kernels' launch grid = the LNC degree
         "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2",
         "NEURON_CC_FLAGS": shlex.join(s.compiler_args),
-        **cache_dirs(s.cache_dir),
+        **cache_dirs(s.cache_dir, s.neff_dir),
         "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
         "V4FLASH_OPS": "nki",
         "V4FLASH_NUMERICS": "reference",  # no fp64 on a NeuronCore
@@ -151,7 +156,7 @@ def apply_env(s: NeuronSettings | Settings, environ=None, local_rank: int | None
         s = NeuronSettings.from_settings(s)
     added = {k: v for k, v in neuron_env(s, local_rank).items() if overwrite or k not in environ}
     environ.update(added)
-    for d in cache_dirs(s.cache_dir).values():
+    for d in cache_dirs(s.cache_dir, s.neff_dir).values():
         os.makedirs(d, exist_ok=True)
     return added
 

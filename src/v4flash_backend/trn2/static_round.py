@@ -40,10 +40,10 @@ from v4flash_backend.engine.dspark_accept import markov_draft_static, verify_sta
 from v4flash_backend.engine.dspark_sched import admit_static
 from v4flash_backend.engine.logit_proc import draft_logit_fn, process_verify_rows
 from v4flash_backend.engine.precision import loop_dtype
+from v4flash_backend.engine.round_plan import pack_logprobs
+from v4flash_backend.engine.round_plan import pack_result as pack  # the read-back's layout is the plan types'
 from v4flash_backend.engine.sampling import LOGPROB_WIDTH, token_logprobs_static
 
-from .round_plan import pack_logprobs
-from .round_plan import pack_result as pack  # the read-back's layout is the plan types'
 from .static_step import StaticDecoder
 
 

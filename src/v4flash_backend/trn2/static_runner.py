@@ -12,13 +12,13 @@ import threading
 
 import torch
 
+from v4flash_backend.engine.round_plan import RoundPlan, filters_sampling
 from v4flash_backend.engine.runner import LocalRunner
 from v4flash_backend.model.dspark import DraftOutput
 from v4flash_backend.model.transformer import StepOutput
 
 from .graphs import StaticGraphs, _Progress, decode_buckets, prefill_buckets, to_device
 from .launch import NeuronSettings
-from .round_plan import RoundPlan, filters_sampling
 from .static_step import BoundarySpy, Bucket, HostSyncCounter, StaticDecoder, pick_bucket
 from .warmup import StepGate
 
@@ -73,7 +73,7 @@ class StaticRunner(LocalRunner):
             pb = prefill_buckets(prefill_rows, max_len, min_ctx=ctx0)
             self.pdecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=max(b.rows for b in pb),
                                           prefill=True)
-            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock)
+            self.pgraphs = StaticGraphs(self.pdecoder, pb, settings, lock=self.graph_lock, label="prefill")
         # the plain-decode graphs (DSpark checkpoints): one row per sequence, for a round where no
         # sequence verifies a draft and none drafts (stepped aside, or spec_mode off): graph 1 over
         # 1 row instead of 1 + G (perf/nodraft_round_cpu.py: up to ~1.5-2x less at S >= 4 here)
@@ -81,7 +81,8 @@ class StaticRunner(LocalRunner):
         if self.G:
             self.ndecoder = StaticDecoder(model, self.state, scratch=num_slots, max_rows=1)
             self.ngraphs = StaticGraphs(self.ndecoder, [Bucket(b.seqs, 1, b.ctx) for b in self.buckets], settings,
-                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.graph_lock)
+                                        stats=self.graphs.stats, blocks=self.blocks, lock=self.graph_lock,
+                                        label="plain")
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0)
         if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
             self.drafter = _HostDrafter(self.drafter, self)
@@ -98,6 +99,12 @@ class StaticRunner(LocalRunner):
             for proc in (False, True)[:1 + processed]:
                 self.ngraphs.round(b, "off", 0, self.ngraphs.round_padding(b, stop_width, proc))
             bar.show(i + 1, f"plain decode {b}")
+
+    def set_artifacts(self, source) -> None:
+        """Load every graph by its key from `source` (a trn2.artifacts.ArtifactSource) instead of compiling it."""
+        for g in (self.graphs, self.ngraphs, self.pgraphs):
+            if g is not None:
+                g.artifacts = source
 
     @property
     def graphs_ready(self) -> bool:
@@ -258,7 +265,7 @@ class StaticRunner(LocalRunner):
     def resident_tensors(self) -> list[torch.Tensor]:
         """What stays on the device: the weights, every per-slot cache, the draft blocks."""
         st = self.state
-        out = list(self.model.W.values())
+        out = list(self.model.W.values()) + list(self.model.W.meta.get("rank_offsets", {}).values())
         for d in (st.window, st.ckv, st.ik, st.pend_kv, st.pend_score, st.dspark):
             out += list(d.values())
         return out + [st.engram_hist, self.blocks.tokens, self.blocks.q, self.blocks.z]
@@ -369,6 +376,10 @@ def place_resident(runner: "StaticRunner", device) -> int:
     for k in list(W.keys()):
         W[k] = W[k].to(device)
     n = len(W)
+    offsets = W.meta.get("rank_offsets", {})  # the shard's starts, read by the graphs (Weights.rank_offset)
+    for k in offsets:
+        offsets[k] = offsets[k].to(device)
+    n += len(offsets)
     W.meta.pop("stacked", None)  # the stacked experts (W's expert entries are views of them): rebuilt there
     _settle_weights(runner.model)
     n += _move_attrs(runner.state, device) + _move_attrs(runner.blocks, device)
