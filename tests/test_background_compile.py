@@ -281,7 +281,8 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
     from v4flash_backend.engine.dspark_sched import SPSTable
     from v4flash_backend.engine.engine import Engine
     from v4flash_backend.engine.step_cost import StepCost
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
     from v4flash_backend.trn2.warmup import BackgroundWarmup
 
     r = StaticRunner(tiny_model, 4, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
@@ -324,7 +325,8 @@ def test_an_idle_compile_thread_takes_no_slice_from_the_steps(tiny_model, monkey
     """Once every known set is warm the thread only waits for a `want`: the gate must then sleep no
     slice before a step (SHARE of the last step: 25 % of a warm server's time, before) and count no
     memory as the compile's; a wanted set turns both back on while it compiles, and off after."""
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
     from v4flash_backend.trn2.warmup import SHARE, BackgroundWarmup
 
     release = threading.Event()

@@ -359,7 +359,9 @@ def test_compiled_static_rounds_hold_the_kernels_as_nodes(small_model, monkeypat
     sr = StaticRunner(small_model, 1, 40, settings=NeuronSettings(backend="eager"))
     got, st = _serve(sr)
     want, _ = _serve(LocalRunner(small_model, 1, 40))
-    assert got == want
+    # the tokens, not their chunks: how many drafts a step admits follows each runner's own step-cost
+    # profile (timings), so an accepted pair may arrive in one response on one path and two on the other
+    assert sum(got, []) == sum(want, [])
     assert st["host_syncs_per_step"] == 0 and st["static_fallback_steps"] == 0
     assert captured and all(sum(c.values()) > 0 for c in captured), captured
     verify = max(captured, key=lambda c: sum(c.values()))

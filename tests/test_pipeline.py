@@ -120,7 +120,7 @@ def test_placement_report_at_two_stages_of_64(capsys):
     cfg = ModelConfig.from_json(cfgp)
     expert = 3 * cfg.moe_inter_dim * cfg.dim * (1 / 2 + 1 / 32)
     rows = {x.split()[1]: float(x.split()[2]) for x in lines if x.startswith("ranks ")}
-    assert rows["0..62"] == pytest.approx(20 * 6 * expert / 2 ** 30, abs=1e-4)
+    assert rows["0..63"] == pytest.approx(20 * 6 * expert / 2 ** 30, abs=1e-4)
     assert rows["64..127"] == pytest.approx((20 * 6 + cfg.n_mtp_layers * 2) * expert / 2 ** 30, abs=1e-4)
     p2p = [x for x in lines if x.startswith("pipeline: ")]
     assert p2p and f"p2p_bytes_per_step={64 * (16 + 8 * (4 * cfg.dim * 2 + 4 * 4))} " in p2p[0], p2p

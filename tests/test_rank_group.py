@@ -111,7 +111,10 @@ def test_a_launched_group_has_its_own_secret_off_the_command_line(group):
             client_handshake(s, None)
     with pytest.raises(RankGroupError, match="wrong secret"):
         RankGroup.connect(f"{group.info['host']}:{group.info['port']}", secret=b"x" * 64)
-    h = group.health()
+    # the server counts a refusal after telling the client (its handshake thread): wait for the count
+    deadline = time.monotonic() + 10
+    while (h := group.health())["auth_refused"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert h["ok"] and h["auth_refused"] >= 2
     with open(group.log_path) as f:
         assert "wrong secret" in f.read()

@@ -64,7 +64,8 @@ def _serve(runner, spec_mode: str, max_tokens: int = 20):
 
 
 def test_a_stepped_aside_round_is_the_plain_round(tiny_model):
-    from v4flash_backend.trn2.neuron import NeuronSettings, StaticRunner
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
 
     def runner():
         return StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"), count_host_syncs=False)
