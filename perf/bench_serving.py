@@ -28,7 +28,6 @@ import argparse
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,24 +42,15 @@ sys.path.insert(0, str(ROOT / "perf"))
 
 import numpy as np  # noqa: E402
 
+from v4flash_backend.group.rank_group import free_ports  # noqa: E402
 from v4flash_backend.request import GenerateRequest  # noqa: E402
 from v4flash_backend.settings import Settings  # noqa: E402
 
 MODES = ("engine", "rank-group", "v4flash", "v4flash_text")
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def start_server(log_path: Path, timeout_s: float = 600.0):
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     env = dict(os.environ, HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
                OPENAI_PORT="off")  # no OpenAI frontend: serve.sh then execs tritonserver
     env.setdefault("SERVE_MAX_RESTARTS", "0")  # no figures from a server restarted mid-run

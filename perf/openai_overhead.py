@@ -32,7 +32,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,16 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from v4flash_backend.client import build_inputs  # noqa: E402
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from v4flash_backend.group.rank_group import free_ports  # noqa: E402
 
 
 def start_server(root: Path):
@@ -68,7 +58,7 @@ def start_server(root: Path):
     # the embedded model (the default checkpoint is found beside the repository: name it here)
     config += f'parameters {{ key: "checkpoint_dir", value: {{ string_value: "{ROOT / "models/v4flash-tiny"}" }} }}\n'
     (repo / "v4flash" / "config.pbtxt").write_text(config)
-    http_port, grpc_port, metrics_port, openai_port = _free_ports(4)
+    http_port, grpc_port, metrics_port, openai_port = free_ports(4)
     env = dict(os.environ, MODEL_REPOSITORY=str(repo), HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port),
                METRICS_PORT=str(metrics_port), OPENAI_PORT=str(openai_port), SERVE_MAX_RESTARTS="0",
                V4FLASH_CPU_DECODE_GRAPH="eager", V4FLASH_STATE_DIR="")

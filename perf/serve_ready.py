@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_serving import _free_ports as free_ports  # noqa: E402 - perf/ is this script's directory
+from bench_serving import free_ports  # noqa: E402 - perf/ is this script's directory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -27,16 +26,7 @@ from types import SimpleNamespace
 
 import soak  # perf/soak.py, beside this file
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from v4flash_backend.group.rank_group import free_ports  # noqa: E402 - soak puts src/ on the path
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,21 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from v4flash_backend.group.rank_group import free_ports  # noqa: F401 - the suite's servers take it from here
+
 REPO = Path(__file__).resolve().parents[1]
 
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all bound at once, so they cannot coincide)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, log_path, timeout_s: float, tail: int = 6000) -> None:

@@ -75,10 +75,22 @@ def project_python(explicit: str | None = None) -> str:
     raise RankGroupError("no python with torch for the workers: set V4FLASH_PYTHON or the python parameter")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free ports on host (all bound at once, so they cannot coincide)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def node_command(settings, python: str, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
