@@ -196,14 +196,19 @@ def test_readme_and_package_docstring_list_every_subpackage():
         assert f"{name}/" in doc, f"the package docstring lacks {name}/"
 
 
+def _fresh_python(code: str) -> str:
+    """What `code` prints in a fresh interpreter that sees only this tree's src/ (stripped)."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def test_serving_loads_no_training_module():
     code = ("import sys, v4flash_backend.serving.model_setup, v4flash_backend.serving.prepost, "
             "v4flash_backend.serving.engine_rank_group, v4flash_backend.group.worker\n"
             "print(sorted(m for m in sys.modules if m.startswith('v4flash_backend.training')))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
+    assert _fresh_python(code) == "[]"
 
 
 def frontend_leaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -222,10 +227,7 @@ def test_the_openai_frontend_imports_nothing_of_the_package_outside_itself():
     code = ("import sys, v4flash_backend.openai_api.app, v4flash_backend.openai_api.__main__\n"
             "print(sorted(m for m in sys.modules if m.startswith('v4flash_backend') "
             "and not m.startswith('v4flash_backend.openai_api')), 'torch' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "['v4flash_backend'] False"
+    assert _fresh_python(code) == "['v4flash_backend'] False"
 
 
 def test_op_functions_are_explicit_with_the_reference_signatures():
