@@ -29,7 +29,7 @@ SETTINGS_FLAG = "--settings-json"
 # returned on free; but each time such a chunk is freed it raises the threshold to that chunk's size
 # (up to 32 MiB). A rank frees tensors of many sizes (and its background compile more), so soon every
 # mid-size tensor comes from the heap instead, whose free space fragments and stays resident: a rank of
-# `make serve` grew 16-108 MiB in a 3-minute soak, and 15 MiB in each of three with the threshold
+# `make serve` grew 11-108 MiB in a 3-minute soak, and 13-18 MiB in each of three with the threshold
 # pinned (perf/soak.py --kill-worker; docs/performance.md "Soak and faults"). Setting the variable
 # pins it (glibc's mallopt(3): a fixed threshold turns the adjustment off); one the environment
 # already has wins.
