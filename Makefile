@@ -42,7 +42,7 @@ TEST_WORKERS ?= 2
 GOLDEN := ../shared/golden/v41-tiny
 
 test: $(STAMP) $(TRITON_STAMP)
-	$(PY) -m pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(PY) -m pytest -q -ra --durations=5 -m serial
 	order=$$($(PY) -m v4flash_backend.checks.gemm_probe $(GOLDEN) --second-order) && \
 	  echo "[make test] the numerics tests again under the second GEMM order: $$order" && \

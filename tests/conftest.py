@@ -39,6 +39,25 @@ def gemm_level(golden_dir):
     return probe(golden_dir)
 
 
+# Files in the order of their expected cost, the dearest first (`make test` passes
+# --no-loadscope-reorder so that xdist keeps this order). xdist's own order (files with the most tests
+# first) put the files of one or two slow tests last: on 2 workers the last of them ran alone while
+# the other worker idled. The cost of a file is estimated from its marks: a slow test ~60 s (they take
+# 30-300 s on CI's machine), any other ~1 s. Tests keep their order within a file.
+SLOW_TEST_S = 60.0
+
+
+def pytest_collection_modifyitems(config, items):
+    cost: dict[str, float] = {}
+    for it in items:
+        cost[it.nodeid.split("::")[0]] = cost.get(it.nodeid.split("::")[0], 0.0) + (
+            SLOW_TEST_S if it.get_closest_marker("slow") else 1.0)
+    first = {}
+    for i, it in enumerate(items):
+        first.setdefault(it.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-cost[it.nodeid.split("::")[0]], first[it.nodeid.split("::")[0]]))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Every run says which golden level it checked (the probe is ~1 s; the controller of an xdist run
     does not see the workers' fixtures, so it probes itself, in the same environment)."""
