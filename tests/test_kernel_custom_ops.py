@@ -45,6 +45,9 @@ def _args():
     return {
         "linear_fp8": (_randn(5, 128, seed=1, dtype=BF16), _bytes(w8), _bytes(s8)),
         "linear_fp4": (_randn(5, 64, seed=3, dtype=BF16), w4, _bytes(s4)),
+        # slots 0 and 2 on experts 1 and 0 of a 2-expert stack, slot 1 empty
+        "linear_fp4_routed": (_randn(3, 2, 64, seed=4, dtype=BF16), torch.stack([w4, w4.flip(0)]),
+                              _bytes(torch.stack([s4, s4.flip(0)])), torch.tensor([[1], [-1], [0]], dtype=torch.int32)),
         "linear_bf16": (_randn(3, 96, seed=5, dtype=BF16), _randn(80, 96, seed=6, dtype=BF16)),
         "linear_bf16_grouped": (_randn(5, 4, 64, seed=7, dtype=BF16), _randn(4, 32, 64, seed=8, scale=0.2, dtype=BF16)),
         "linear_f32": (_randn(5, 128, seed=9), _randn(24, 128, seed=10)),
@@ -70,6 +73,7 @@ def _args():
 # the kernel each op launches (module, function) and the names of its non-tensor arguments
 KERNELS = {
     "linear_fp8": ("linear", "linear_fp8_kernel", ()), "linear_fp4": ("linear", "linear_fp4_kernel", ()),
+    "linear_fp4_routed": ("linear", "linear_fp4_routed_kernel", ()),
     "linear_bf16": ("linear", "linear_bf16_kernel", ()),
     "linear_bf16_grouped": ("linear", "linear_bf16_grouped_kernel", ()),
     "linear_f32": ("linear", "linear_f32_kernel", ()), "rms_norm": ("rms_norm", "rms_norm_kernel", ("eps",)),

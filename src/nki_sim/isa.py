@@ -533,6 +533,40 @@ def memset(dst, value, engine=engine.unknown, name=None):
         _store(dst, np.full(dst.shape, np.float32(value)))
 
 
+# ---- registers (runtime values: the bounds of compiled loops) ------------------------------------------
+class VirtualRegister:
+    """A register on an engine (`register_alloc`): one 32-bit integer known only at run time. The tracer
+    never sees its value, so Python control flow on it is refused (as NKI's tracer refuses `if reg:`); it
+    bounds `nl.fori_loop` (docs: nki.isa.VirtualRegister, nki.language.fori_loop)."""
+
+    def __init__(self, value=0, frozen=False):
+        self._value, self.frozen = int(value), frozen
+
+    def __bool__(self):
+        raise SimError("a VirtualRegister's value is not known while the kernel is built: use nl.fori_loop")
+
+    __int__ = __index__ = __bool__
+
+
+def register_alloc(value=None):
+    return VirtualRegister(0 if value is None else int(value))
+
+
+def register_load(dst, src):
+    """dst <- the (1, 1) int32 SBUF tile src (a register load reads one element of SBUF)."""
+    if not isinstance(dst, VirtualRegister) or dst.frozen:
+        raise SimError("register_load needs a register from register_alloc")
+    _on_chip(src, "src")
+    if src.buffer is not sbuf or tuple(src.shape) != (1, 1) or src.dtype not in (D.int32, D.uint32):
+        raise SimError(f"register_load reads a (1, 1) int32 SBUF tile, got {src.shape} {src.dtype}")
+    dst._value = int(_read(src).reshape(-1)[0])
+
+
+def register_value(reg):
+    """The run-time value of a register or a Python int (the simulator's side of a compiled loop)."""
+    return reg._value if isinstance(reg, VirtualRegister) else int(reg)
+
+
 from . import _cost as _C  # noqa: E402  (after the definitions it wraps)
 
 _C.instrument(globals())  # every instruction charges its engine time (see _cost)

@@ -80,6 +80,18 @@ def affine_range(start, stop=None, step=1):
 sequential_range = static_range = affine_range
 
 
+def fori_loop(lower, upper, body_fun, step=1):
+    """A compiled loop (nki.language.fori_loop): body_fun(i) for i in [lower, upper) by step, where the
+    bounds may be registers known only at run time; i reaches the body as a frozen register. Only the
+    iterations that run execute (and are charged): a trip count of 0 costs nothing."""
+    from . import isa
+
+    if not isinstance(step, int) or step <= 0:
+        raise SimError("fori_loop step must be a compile-time positive int")
+    for i in range(isa.register_value(lower), isa.register_value(upper), step):
+        body_fun(isa.VirtualRegister(i, frozen=True))
+
+
 def device_print(*args, **kwargs):
     raise SimError("device_print is not simulated")
 

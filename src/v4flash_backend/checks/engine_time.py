@@ -196,11 +196,25 @@ def as_bf16(op: str, sig: tuple) -> tuple[str, tuple]:
     return "linear_bf16", (x, ("T", (n, k), "bfloat16"))
 
 
+def is_routed(op: str, sig: tuple) -> bool:
+    """A call of the routed experts' kernel: x [S, M, K] on a stack [E, N, ..] with `experts` [S]."""
+    return op in ("linear_fp4", "linear_fp8") and len(sig) == 4 and isinstance(sig[3], tuple)
+
+
+def routed_bf16(sig: tuple) -> tuple[str, tuple]:
+    """One occupied slot of a routed call as the bf16-weight GEMM on one row (the formats' variant)."""
+    k, n = sig[0][1][-1], sig[1][1][1]
+    return "linear_bf16", (("T", (1, k), "bfloat16"), ("T", (n, k), "bfloat16"))
+
+
 def variant_calls(counts: Counter) -> set:
     """(op, sig) of the alternatives: each routed-expert GEMM (linear_fp4) and weighted swiglu on one
-    row, and every fp8 / fp4 GEMM on bf16 weights (rows as traced and one)."""
+    row, every fp8 / fp4 GEMM on bf16 weights (rows as traced and one), a routed call's slot on bf16."""
     out = set()
     for (op, sig) in counts:
+        if is_routed(op, sig):
+            out.add(routed_bf16(sig))
+            continue
         rows = sig[0][1][0] if sig and isinstance(sig[0], tuple) and sig[0][0] == "T" else None
         if op in ("linear_fp4", "linear_fp8") and len(sig[0][1]) == 2:
             b = as_bf16(op, sig)
@@ -305,6 +319,15 @@ def measure(cfg: ModelConfig, ctx: int = 4096, world: int = 64, log=print) -> di
     costs: dict = {}
     res = footprint.check_kernels(todo, log=lambda s: log(s) if s.startswith("kernel-footprint") else None,
                                   costs=costs)
+    # the routed calls once more with every slot empty: their fixed part ('<op>@empty')
+    routed = {op: {sig for sig in sigs if is_routed(op, sig)} for op, sigs in todo.items()}
+    empty: dict = {}
+    footprint.ROUTED_OCCUPIED = 0
+    try:
+        res += footprint.check_kernels({op: s for op, s in routed.items() if s}, costs=empty)
+    finally:
+        footprint.ROUTED_OCCUPIED = 1
+    costs.update({(op + "@empty", sig): c for (op, sig), c in empty.items()})
     failed = [f for r in res for f in r.failures]
     if failed:
         raise RuntimeError(f"{len(failed)} kernel call(s) failed under the simulator, e.g. {failed[:2]}")

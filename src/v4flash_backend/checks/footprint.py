@@ -136,7 +136,15 @@ def _inputs(op: str, sig, g):
     if op == "sparse_attn":
         idx_range = args[1][1][1]  # kv rows
     vals = [_make(a, g, idx_range) for a in args]
+    if op in ("linear_fp4", "linear_fp8") and len(vals) == 4:  # the routed experts' slots (`experts`)
+        vals[3] = torch.full(vals[3].shape, -1, dtype=vals[3].dtype)
+        vals[3][:ROUTED_OCCUPIED] = 0  # the first ROUTED_OCCUPIED slots on expert 0, the rest empty
     return vals, kw
+
+
+# occupied slots of a routed call's measurement (`engine_time` measures 1 and 0: a slot's cost and the
+# call's fixed part, which the projection scales by the expected occupancy)
+ROUTED_OCCUPIED = 1
 
 
 def _describe(op, sig) -> str:

@@ -10,7 +10,7 @@ from . import engram, hc, indexer, linear, rms_norm, softmax_pool, sparse_attn, 
 
 KERNELS = {
     "linear_fp8": (linear.linear_fp8_kernel,),
-    "linear_fp4": (linear.linear_fp4_kernel,),
+    "linear_fp4": (linear.linear_fp4_kernel, linear.linear_fp4_routed_kernel),
     "linear_bf16": (linear.linear_bf16_kernel, linear.linear_bf16_grouped_kernel),
     "linear_f32": (linear.linear_f32_kernel,),
     "rms_norm": (rms_norm.rms_norm_kernel,),

@@ -21,7 +21,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import PSUM_N, P, bytes_to_i32, cdiv, e4m3fn_to_f32, e8m0_to_f32, transpose
+from ._common import PSUM_N, P, bytes_to_i32, cdiv, e4m3fn_to_f32, e8m0_to_f32, load_bcast, transpose
 
 FP8_MAX = 448.0
 FP8_MAX_INV = 1.0 / 448.0  # rounded to fp32 as an operand: the reference multiplies by float32(1/448)
@@ -143,16 +143,20 @@ def _fp8_rows(weight, scale):
     return load
 
 
-def _fp4_rows(weight, scale):
+def _fp4_rows(weight, scale, gather=None):
     """Loader of MXFP4 rows: two e2m1 codes per byte (even element in the low nibble), code = sign bit 3 +
     magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}, times one ue8m0 scale (byte) per 32 elements; the
-    product rounds once to bf16 (exact)."""
+    product rounds once to bf16 (exact). gather(t, r0, n, c0, c) -> the DMA source of rows [r0, r0+n),
+    columns [c0, c0+c) of t (default: a plain slice; the routed experts' indirect rows)."""
     f32, u8 = nl.float32, nl.uint8
+    if gather is None:
+        def gather(t, r0, n, c0, c):
+            return t[r0:r0 + n, c0:c0 + c]
 
     def load(r0, n, k0, k):
         kb, kh = k // QB, k // 2
         wb = nl.ndarray((P, kh), dtype=nl.int8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=wb[0:n], src=weight[r0:r0 + n, k0 // 2:(k0 + k) // 2])
+        nisa.dma_copy(dst=wb[0:n], src=gather(weight, r0, n, k0 // 2, kh))
         wu = wb.view(u8)
         codes = nl.ndarray((P, kh, 2), dtype=u8, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=codes[0:n, :, 0], data=wu[0:n], op0=nl.bitwise_and, operand0=0xF)
@@ -160,7 +164,7 @@ def _fp4_rows(weight, scale):
         cf = codes[0:n].reshape((n, k))
         sb = nl.ndarray((P, kb), dtype=u8, buffer=nl.sbuf)
         # ue8m0 bytes (uint8: no e8m0 tiles on trn2) of the K tile's 32-groups
-        nisa.dma_copy(dst=sb[0:n], src=scale[r0:r0 + n, k0 // QB:(k0 + k) // QB])
+        nisa.dma_copy(dst=sb[0:n], src=gather(scale, r0, n, k0 // QB, kb))
         sc = nl.ndarray((P, kb), dtype=f32, buffer=nl.sbuf)
         _scales(sc[0:n], sb[0:n], n, kb)
         wd = nl.ndarray((P, k), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -316,4 +320,66 @@ def linear_bf16_grouped_kernel(x, weight):
     out = nl.ndarray((m, g_n, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     for g in range(g_n):
         _linear(x[:, g, :], out[:, g, :], _plain_rows(weight[g], nl.bfloat16), False, nl.bfloat16)
+    return out
+
+
+def _expert_rows(e_b, n_rows):
+    """gather() of `_fp4_rows` for stack entry e (e_b: int32 [P, 1], e on every partition): the stack
+    [E, N, C] seen as E*N rows, rows e*N + r0 + p fetched by indirect DMA (one row per partition)."""
+    def gather(t, r0, n, c0, c):
+        idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=idx[0:n], pattern=[[0, 1]], offset=r0, channel_multiplier=1)  # r0 + p
+        # e * N + (r0 + p): exact in the engines' fp32 while E * N < 2^24 (asserted by the kernel)
+        nisa.scalar_tensor_tensor(dst=idx[0:n], data=e_b[0:n], op0=nl.multiply, operand0=float(n_rows),
+                                  op1=nl.add, operand1=idx[0:n])
+        rows = t.reshape((t.shape[0] * t.shape[1], t.shape[2]))
+        return rows.ap(pattern=[[t.shape[2], n], [1, c]], offset=c0, vector_offset=idx[0:n], indirect_dim=0)
+
+    return gather
+
+
+@nki.jit
+def linear_fp4_routed_kernel(x, weight, scale, experts):
+    """The MoE's routed experts, one stack entry per slot: x bf16 [S, M, K] (slot s's rows), weight int8
+    [E, N, K/2] (MXFP4) and scale ue8m0 bytes [E, N, K/32] (a rank's stacked local experts), experts int32
+    [S, 1] (slot s's local expert, -1 = an empty slot) -> bf16 [S, M, N], out[s] = linear_fp4(x[s],
+    weight[experts[s]]) and zeros for an empty slot.
+
+    Access pattern after nki-library's selective-expert MoE decode (aws-neuron/nki-library, read, not
+    copied): the expert id is read on the device, its weight rows fetched by indirect DMA (rows
+    e * N + r0 + p), so the graph holds the whole stack and no host picks the experts. Each slot's work
+    sits in a compiled loop whose trip count is 1 when the slot is occupied and 0 when it is empty
+    (nl.fori_loop over a register): an empty slot reads and decodes no weight byte; its rows get zeros
+    (the complementary loop). The GEMM is `_linear`'s, so an occupied slot's rows are linear_fp4's bits."""
+    s_n, m, k = x.shape
+    e_n, n = weight.shape[0], weight.shape[1]
+    assert weight.shape[2] * 2 == k and k % QB == 0 and scale.shape == (e_n, n, k // QB)
+    assert experts.shape == (s_n, 1) and e_n * n < 2 ** 24
+    out = nl.ndarray((s_n, m, n), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    n0, n1 = _col_range(n)
+    for s in range(s_n):
+        e_b = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        load_bcast(e_b, experts, P, 1, offset=s)  # the slot's expert id on every partition
+        flags = []
+        for op in (nl.greater_equal, nl.less):  # occupied, empty: 1 or 0
+            f = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=f, data=e_b[0:1], op0=op, operand0=0.0)
+            reg = nisa.register_alloc()
+            nisa.register_load(reg, f)
+            flags.append(reg)
+
+        def occupied(_i, s=s, e_b=e_b):
+            _linear(x[s], out[s], _fp4_rows(weight, scale, _expert_rows(e_b, n)), True, nl.bfloat16)
+
+        def empty(_i, s=s):
+            if n0 >= n1:
+                return
+            z = nl.ndarray((P, n1 - n0), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.memset(dst=z, value=0.0)
+            for r0 in range(0, m, P):
+                rs = min(P, m - r0)
+                nisa.dma_copy(dst=out[s, r0:r0 + rs, n0:n1], src=z[0:rs])
+
+        nl.fori_loop(0, flags[0], occupied)
+        nl.fori_loop(0, flags[1], empty)
     return out

@@ -69,7 +69,7 @@ def local_slots(W: dict, p: str, ids: torch.Tensor) -> torch.Tensor:
 # own routed rows, padded to the busiest expert's count). Both are a few batched GEMMs instead of a
 # per-expert Python loop; the dense one needs no index building, which pays up to about 64 (1 CPU
 # thread, the embedded model: a plain decode row of 8 experts, a batch-1 or -2 draft block of the
-# stages' 4). The static decode graph runs form 'all' of `moe` (a dense form of any numerics)
+# stages' 4). The static decode graph runs form 'all' of `moe` (the routed or the dense form)
 DENSE_MOE_MIN = 64
 # and up to which either batched form runs; the loop beyond (measured on the embedded model: at 128
 # rows x 8 experts the loop is as fast as the grouped form, whose padding grows with the rows)
@@ -95,20 +95,65 @@ def _dense_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor
     return _experts_ffn(xe, route_w[:, :n_exp].T.unsqueeze(-1), stacks, limit)
 
 
-def _routed_experts(x, local, weights, stacks, limit) -> torch.Tensor:
-    """Each row's routed experts only, for rows x top-k below the local experts (a decode row: 2 of
-    the embedded model's 8, 6 of V4.1-Flash's 384): the T x k (row, expert) pairs in one batched
-    call on the experts' gathered weights, a static shape with no host read. Returns [k, T, D] bf16:
-    entry a holds each row's a-th routed expert in expert-id order, so adding the entries in turn
-    is the dense form's carry bit for bit (its other experts add exact zeros). A pick of another
-    rank's expert (local -1) runs expert 0 at weight 0: an exact zero too."""
-    T, A = local.shape
-    valid = local >= 0
-    e, order = local.clamp_min(0).sort(dim=1)  # expert-id order within each row
-    w = torch.where(valid, weights, 0.0).gather(1, order)
-    xg = x.repeat_interleave(A, dim=0).unsqueeze(1)  # [T * A, 1, D]: row t's pairs are t*A .. t*A + A-1
-    out = _experts_ffn(xg, w.reshape(T * A, 1, 1), stacks, limit, experts=e.reshape(-1))
-    return out.view(T, A, -1).transpose(0, 1)
+# the routed form's slots per rank and MoE layer: twice a rank's expected (row, expert) pairs under
+# uniform routing, at least this many (release, 6-row verify: 4 slots for 0.56 expected pairs, overflow
+# ~2e-4 per layer), at most every pair a rank can hold (then no overflow pass)
+MOE_CAPACITY_MIN = 4
+
+
+def moe_capacity(rows: int, n_act: int, n_local: int, n_total: int) -> int:
+    """(row, expert) slots of the routed form: a function of shapes and the config only (the same graph
+    on every rank)."""
+    worst = rows * min(n_act, n_local)
+    return min(worst, max(MOE_CAPACITY_MIN, -(-2 * rows * n_act * n_local // n_total)))
+
+
+def _routed_experts(x, local, weights, n_exp: int, stacks, limit, capacity: int) -> torch.Tensor:
+    """Only the routed experts, packed into `capacity` (row, expert) slots: the static graph's form
+    while the slots are fewer than the local experts. Returns [A, T, D] bf16 (A = min(top-k, local
+    experts)): entry a holds each row's a-th local expert in expert-id order (zeros past its last), so
+    adding the entries in turn is the dense form's carry bit for bit (its other experts add exact zeros).
+
+    The pairs of this rank (local >= 0), row by row, take slots 0, 1, ...; slot s's row, expert and
+    routing weight are tensors (`experts` = -1 for an empty slot, whose kernel reads no weight). The pairs
+    past the capacity are never dropped: an overflow pass runs each local expert that has one on every
+    row, weighted by the overflowing pairs only, and the carry picks their outputs (a static shape; its
+    kernel runs only the experts with an overflowing pair, none in the common case). With capacity =
+    every pair a rank can hold there is no overflow pass."""
+    T = local.shape[0]
+    dev = x.device
+    A = min(local.shape[1], n_exp)
+    key, order = torch.where(local >= 0, local, n_exp).sort(dim=1)  # local experts first, by id
+    e, w = key[:, :A], weights.gather(1, order)[:, :A]
+    valid = (e < n_exp).reshape(-1)
+    pos = torch.cumsum(valid.long(), 0) - 1  # the pair's slot if it fits
+    routed = valid & (pos < capacity)
+    slot = torch.where(routed, pos, capacity)  # slot `capacity`: scratch for pairs not routed here
+    rows = torch.arange(T, device=dev).repeat_interleave(A)
+    ef, wf = e.reshape(-1), w.reshape(-1)
+    slot_row = torch.zeros(capacity + 1, dtype=torch.long, device=dev).scatter(0, slot, rows)[:capacity]
+    slot_exp = torch.full((capacity + 1,), -1, dtype=torch.long, device=dev).scatter(
+        0, slot, torch.where(routed, ef, -1))[:capacity]
+    slot_w = torch.zeros(capacity + 1, dtype=torch.float32, device=dev).scatter(
+        0, slot, torch.where(routed, wf, 0.0))[:capacity]
+    out = _experts_ffn(x[slot_row].unsqueeze(1), slot_w.view(-1, 1, 1), stacks, limit, experts=slot_exp)
+    D = x.shape[-1]
+    pool = [out.view(capacity, D)]
+    pick = torch.where(routed, pos, -1)
+    if capacity < T * A:  # the exact overflow pass
+        over = valid & ~routed
+        ow = torch.zeros(T, n_exp + 1, dtype=torch.float32, device=dev).scatter(
+            1, torch.where(over.view(T, A), e, n_exp), torch.where(over.view(T, A), w, 0.0))[:, :n_exp]
+        hit = torch.zeros(n_exp + 1, dtype=torch.bool, device=dev).scatter(
+            0, torch.where(over, ef, n_exp), True)[:n_exp]
+        ex = torch.where(hit, torch.arange(n_exp, device=dev), -1)
+        oo = _experts_ffn(x.unsqueeze(0).expand(n_exp, -1, -1), ow.T.unsqueeze(-1), stacks, limit, experts=ex)
+        pool.append(oo.reshape(n_exp * T, D))
+        pick = torch.where(over, capacity + ef.clamp(max=n_exp - 1) * T + rows, pick)
+    pool.append(out.new_zeros(1, D))
+    pool = torch.cat(pool)
+    pick = torch.where(pick >= 0, pick, pool.shape[0] - 1)
+    return pool[pick.view(T, A).T]
 
 
 def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tensor:
@@ -137,6 +182,16 @@ def _grouped_experts(x, local, weights, n_exp: int, stacks, limit) -> torch.Tens
     return full
 
 
+def _n_total(cfg: ModelConfig, p: str) -> int:
+    """Routed experts of the whole model at MoE prefix p (the DSpark stages have their own)."""
+    return cfg.moe_shape(cfg.n_layers if p.startswith("mtp.") else 0)[0]
+
+
+def _fp4_experts(W: dict, p: str, experts: list[int]) -> bool:
+    """MXFP4 experts (the routed kernel's format; fp8 ones keep the dense loop on the NKI backends)."""
+    return bool(experts) and W[f"{p}.experts.{experts[0]}.w1.weight"].dtype == torch.int8
+
+
 def stacked_experts(W: dict, p: str) -> list:
     """[w1, s1, w3, s3, w2, s2] of the local experts stacked along a new leading dim (cached);
     the per-expert entries of W become views into the stacks, so nothing is stored twice."""
@@ -161,12 +216,13 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     world reduction, then the shared expert; one final rounding.
 
     form: None picks by numerics and size (the batched forms, else a loop over the routed experts:
-    host reads of the routing); 'all' runs every local expert on every row, weighted by a dense
-    [rows, experts] routing matrix that is 0 where a row is not routed -- no host read, one static
-    shape (the static decode step's form); with the batched stacks and fewer (row, expert) pairs
-    than local experts (a decode row), only the routed experts, on their gathered weights
-    (`_routed_experts`). A zero weight makes swiglu's output, hence the expert's, +-0 (activations
-    are clamped, so never 0 * inf), which leaves the fp32 carry unchanged."""
+    host reads of the routing); 'all' is the static graph's (no host read, static shapes): while
+    `moe_capacity` gives fewer slots than local experts (decode rows), only the routed experts, packed
+    into that many (row, expert) slots with an exact overflow pass (`_routed_experts`; MXFP4 experts,
+    or the batched torch stacks), else every local expert on every row, weighted by a dense [rows,
+    experts] routing matrix that is 0 where a row is not routed. A zero weight makes swiglu's output,
+    hence the expert's, +-0 (activations are clamped, so never 0 * inf), which leaves the fp32 carry
+    unchanged."""
     p = layer_prefix + ".ffn"
     weights, ids = route(W, cfg, p, x, n_act)
     if capture is not None:
@@ -180,7 +236,18 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     # order); a zero routing weight gives an exact zero output
     batched = (ops.get_numerics() == "exact" and ops.get_backend() == "torch" and not W.meta.get("train")
                and len(experts) > 1 and W[f"{p}.experts.{experts[0]}.w1.weight"].dim() == 2)
-    if form == "all" and not batched:
+    stacks = routed = None
+    if form == "all":
+        routed = moe_capacity(x.shape[0], n_act, len(experts), _n_total(cfg, p))
+        if routed < len(experts) and (batched or _fp4_experts(W, p, experts)):
+            stacks = stacked_experts(W, p)
+        else:
+            routed = None
+    if stacks is not None:  # the static graph's routed form: fewer slots than local experts
+        out = _routed_experts(x, local_slots(W, p, ids), weights, len(experts), stacks, cfg.swiglu_limit, routed)
+        for a in range(out.shape[0]):  # each row's experts in id order, each output rounded to bf16 already
+            y += out[a]
+    elif form == "all" and not batched:
         # [rows, local experts + 1] routing weights by local slot (column E: other ranks' experts)
         E = len(experts)
         local = local_slots(W, p, ids)
@@ -193,12 +260,9 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
         # and no host read
         stacks = stacked_experts(W, p)
         local = local_slots(W, p, ids)
-        if form == "all" and x.shape[0] * n_act < len(experts):  # fewer (row, expert) pairs than experts
-            out = _routed_experts(x, local, weights, stacks, cfg.swiglu_limit)
-        else:
-            dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
-            out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
-                                                                        cfg.swiglu_limit)
+        dense_form = form == "all" or x.shape[0] * len(experts) <= DENSE_MOE_MIN
+        out = (_dense_experts if dense_form else _grouped_experts)(x, local, weights, len(experts), stacks,
+                                                                    cfg.swiglu_limit)
         for e in range(out.shape[0]):  # the carry in expert-id order, each output rounded to bf16 already
             y += out[e]
     else:

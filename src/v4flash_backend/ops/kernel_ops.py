@@ -111,6 +111,10 @@ def linear_fp4(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     return _run("linear", "linear_fp4_kernel", x, weight, scale)
 
 
+def linear_fp4_routed(x: Tensor, weight: Tensor, scale: Tensor, experts: Tensor) -> Tensor:
+    return _run("linear", "linear_fp4_routed_kernel", x, weight, scale, experts)
+
+
 def linear_bf16(x: Tensor, weight: Tensor) -> Tensor:
     return _run("linear", "linear_bf16_kernel", x, weight)
 
@@ -179,6 +183,7 @@ def _out(like: Tensor, shape, dtype):
 FAKES = {
     "linear_fp8": lambda x, weight, scale: _out(x, (x.shape[0], weight.shape[0]), BF16),
     "linear_fp4": lambda x, weight, scale: _out(x, (x.shape[0], weight.shape[0]), BF16),
+    "linear_fp4_routed": lambda x, weight, scale, experts: _out(x, (x.shape[0], x.shape[1], weight.shape[1]), BF16),
     "linear_bf16": lambda x, weight: _out(x, (x.shape[0], weight.shape[0]), BF16),
     "linear_bf16_grouped": lambda x, weight: _out(x, (x.shape[0], weight.shape[0], weight.shape[1]), BF16),
     "linear_f32": lambda x, weight: _out(x, (x.shape[0], weight.shape[0]), F32),

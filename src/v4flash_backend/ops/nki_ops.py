@@ -52,8 +52,9 @@ def _stacked(fn, x, weight, scale):
 
 
 def linear_fp8(x, weight, scale, experts=None):
-    if experts is not None:  # the routed experts' entries of a stack: their weights only
-        weight, scale = weight[experts], scale[experts]
+    if experts is not None:  # fp8 experts (no config uses them): the entries gathered here, empty slots zeroed
+        y = _stacked(linear_fp8, x, weight[experts.clamp_min(0)], scale[experts.clamp_min(0)])
+        return torch.where((experts >= 0).view(-1, *[1] * (y.dim() - 1)), y, 0)
     if weight.dim() == 3:
         return _stacked(linear_fp8, x, weight, scale)
     y = _op("linear_fp8")(_rows(x), _bytes(weight), _bytes(scale))
@@ -61,8 +62,11 @@ def linear_fp8(x, weight, scale, experts=None):
 
 
 def linear_fp4(x, weight, scale, experts=None):
+    """experts [S] (-1: an empty slot): the routed kernel reads slot s's expert from the whole stack on
+    the device (indirect DMA; an empty slot reads nothing and gives zeros)."""
     if experts is not None:
-        weight, scale = weight[experts], scale[experts]
+        e = experts.to(torch.int32).reshape(-1, 1)
+        return _op("linear_fp4_routed")(x.reshape(e.shape[0], -1, x.shape[-1]), weight, _bytes(scale), e)
     if weight.dim() == 3:
         return _stacked(linear_fp4, x, weight, scale)
     y = _op("linear_fp4")(_rows(x), weight, _bytes(scale))

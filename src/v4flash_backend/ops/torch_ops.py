@@ -121,7 +121,16 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp8_weight, weight, scale))
     if _exact() and F64_WEIGHTS == "all":
         wf = _f64(weight, "all", lambda: wf.double())
-    return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
+    return _routed(quant.fp8_act_dequant_f32(x), wf, experts)
+
+
+def _routed(xq: torch.Tensor, wf: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    """The GEMM on the whole weight, or (experts [S]) slot s of xq on stack entry experts[s], zeros for
+    an empty slot (-1: the kernel reads no weight there; here it must not read entry -1, the last)."""
+    if experts is None:
+        return _bmm(xq, wf).to(torch.bfloat16)
+    y = _bmm(xq, wf[experts.clamp_min(0)]).to(torch.bfloat16)
+    return torch.where((experts >= 0).view(-1, 1, 1), y, 0)
 
 
 def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -131,7 +140,7 @@ def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp4_weight, weight, scale))
     if _exact() and F64_WEIGHTS == "all":
         wf = _f64(weight, "all", lambda: wf.double())
-    return _bmm(quant.fp8_act_dequant_f32(x), wf if experts is None else wf[experts]).to(torch.bfloat16)
+    return _routed(quant.fp8_act_dequant_f32(x), wf, experts)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
