@@ -5,7 +5,7 @@ Each rank runs the CLI in its own process (so the ~11 GiB a rank's shard takes i
 them, and an error of one rank cannot hide behind the other; the sparse checkpoint is written once and
 shared): the serving loader reads the shard, its bytes must be within 2 % of the placement report's (the
 issue's bound; measured: identical to 4 decimals, and the RSS growth within 1.2 %), the static graphs
-trace on the meta device, and every kernel runs under the simulator within the budget: kernels_ok=16/16
+trace on the meta device, and every kernel runs under the simulator within the budget: kernels_ok=17/17
 and max_sbuf_kib <= 192 (the full bucket set is the CLI's default and is run by hand, README).
 Rank 0 traces the corner buckets (decode: 1 and 8 sequences x context 256 and 65536, and the draft
 graphs; prefill: 16 and 256 rows x the same contexts) and runs the kernel check. Rank 63 traces the
@@ -55,6 +55,7 @@ def _release_check(ckpt, rank, *extra):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
     out = res.stdout
     final = out.strip().splitlines()[-1] if out.strip() else ""
+    print(final)  # the line docs/performance.md quotes (pytest -s shows it)
     m = re.fullmatch(r"release-check: rank=(\d+) loaded_gib=([\d.]+) placement_gib=([\d.]+) graphs_traced=(\d+) "
                      r"kernels_ok=(\d+)/(\d+) max_sbuf_kib=([\d.]+)", final)
     assert m, (final, res.stderr[-3000:])
@@ -83,8 +84,8 @@ def test_release_check_ranks_0_and_63(release_ckpt, tmp_path):
     assert len(graph_lines) == 10, graph_lines
     assert len([x for x in graph_lines if x.startswith("graph prefill ")]) == 4, graph_lines
     states = re.findall(r"^kernel-footprint \S+: (ok|OVER BUDGET|FAILED|unmeasured)", out, re.MULTILINE)
-    assert k_all == 16 == len(states)
-    assert states == ["ok"] * 16 and k_ok == 16, states  # every kernel measured and within the budget
+    assert k_all == 17 == len(states)  # 16 kernels + the routed experts' linear_fp4_routed
+    assert states == ["ok"] * 17 and k_ok == 17, states  # every kernel measured and within the budget
     assert 0 < sbuf <= 192  # the simulator's usable SBUF per partition (nki_sim._rules R8)
     assert res.returncode == 0
 
