@@ -124,9 +124,7 @@ def artifact_source(settings: Settings, model, ns):
         raise ArtifactError("compiled_artifacts needs a graph_backend that compiles (none runs the graphs op by op)")
     coll = getattr(model.comm, "coll", None)
     store = ArtifactStore.open(settings.compiled_artifacts)
-    from v4flash_backend.group.aot import compile_settings
-
-    store.check(expectations(model.cfg, ns, coll.size("world") if coll is not None else 1, compile_settings(settings)))
+    store.check(expectations(model.cfg, ns, coll.size("world") if coll is not None else 1, settings))
     return ArtifactSource(store, group_roles(coll) if coll is not None else {}, settings.compile_on_miss)
 
 

@@ -63,21 +63,24 @@ def config_digest(cfg) -> str:
 # spec mode, kernels, numerics, the split of the world): a bound graph is not guarded by dynamo, so a
 # server whose value differs from the compile's is refused at start, naming the setting.
 GRAPH_SETTINGS = ("max_num_seqs", "max_model_len", "prefill_chunk", "warm_processed", "spec_mode", "fixed_len",
-                  "dspark_adaptive", "ops_backend", "numerics", "pipeline_parallel", "sequence_parallel",
-                  "decode_graph")
+                  "dspark_adaptive", "ops_backend", "numerics", "pipeline_parallel", "sequence_parallel")
 
 
 def graph_settings(settings) -> dict:
+    """`settings`' values of GRAPH_SETTINGS (a Settings or the manifest's dict), numerics as a rank
+    resolves an empty one on the nki ops (reference, as group.aot.compile_settings does)."""
     from dataclasses import asdict
 
     d = asdict(settings) if not isinstance(settings, dict) else settings
-    return {k: d.get(k) for k in GRAPH_SETTINGS}
+    out = {k: d.get(k) for k in GRAPH_SETTINGS}
+    if not out["numerics"] and out["ops_backend"] == "nki":
+        out["numerics"] = "reference"
+    return out
 
 
 def expectations(cfg, ns, world: int, settings=None) -> dict:
     """What artifacts must have been compiled for, for a server of model `cfg`, compile settings `ns`
-    (trn2.launch.NeuronSettings), `world` ranks and `settings` (its compile form,
-    `group.aot.compile_settings`): the manifest's fields a server checks."""
+    (trn2.launch.NeuronSettings), `world` ranks and `settings`: the manifest's fields a server checks."""
     from .graph_key import key_flags
 
     out = {"backend": ns.backend, "flags": list(key_flags(ns)), "world_size": world,

@@ -81,6 +81,7 @@ def warm_up(runner, mode: str, fixed_len: int, stop_width: int, processed: bool,
     t["traced"] = counters["stats"]["unique_graphs"] - traced0  # 0 where every graph was bound (no trace)
     runner.counters.update(startup_graphs_compiled=t["compiled"], startup_graphs_loaded=t["loaded"],
                            startup_graphs_traced=t["traced"])
+    runner.startup_times = t  # perf/bench_artifact_load.py reads the phases
     return t
 
 
