@@ -8,11 +8,15 @@ Fast, on small functions through the served compile path (`compile_step`, dynamo
   collectives bound to this rank's groups;
 - a server's source of graphs loads what the manifest has, compiles a missing graph with
   compile_on_miss and refuses it by name without; a manifest whose artifact file is gone, or that was
-  compiled for another world size, is refused before anything is traced, naming the graph.
+  compiled for another world size or graph-shaping setting, is refused before anything is traced,
+  naming the graph or the setting;
+- a bound graph (its binding: where each input comes from) is loaded by name and called on another
+  process's objects without dynamo (its captured-graph counter stays), computing on those objects; a
+  binding whose input is gone or has another shape is refused naming the graph and the input.
 
 Slow, end to end: `python -m v4flash_backend compile` for a W = 2 static server (the 4-layer model,
 one decode and one prefill bucket): graphs = distinct = compiled, a second run compiles nothing; a
-W = 2 group started from the artifacts compiles no graph (counted) and serves the ids (greedy, and
+W = 2 group started from the artifacts compiles and traces no graph (counted) and serves the ids (greedy, and
 seeded at T = 0.8) of a group that compiled its own; with one artifact removed the group refuses to
 start, naming that graph.
 """
@@ -45,6 +49,9 @@ class _Keep:
     def resolve(self, name, key, compile_fn, gm=None, example_inputs=None):
         self.seen.append((name, key, gm))
         return compile_fn()
+
+    def record(self, name, rec):  # the graph's binding (what the compile command writes per graph name)
+        self.rec = dict(rec, key=self.seen[-1][1])
 
 
 def _capture(fn, *args, roles=None, settings=EAGER):
@@ -128,6 +135,104 @@ def test_stale_or_incomplete_artifacts_are_refused_naming_what(tmp_path):
         store.check(dict(want, world_size=4))
 
 
+# ---- bound graphs: loaded by name, called without dynamo -------------------------------------------------
+_DEQ: dict = {}  # an id()-keyed cache of derived weights, as ops.torch_ops' dequantized weights
+
+
+class _Weights(dict):
+    """A dict subclass, as model.weights' (dynamo names its items by their position among the keys)."""
+
+
+class _Model:
+    """What a served graph closes over: weights in a dict (by key), a stack held beside them (found by
+    search, as ffn's stacked experts in W.meta), a state buffer written in place, a derived weight in an
+    id()-keyed module cache."""
+
+    def __init__(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.W = _Weights({f"w{i}": torch.randn(4, 4, generator=g) for i in range(3)})
+        self.meta = {"stack": [torch.randn(2, 4, generator=g)]}
+        self.state = torch.zeros(3, 4)
+        _DEQ[id(self.meta["stack"][0])] = (self.meta["stack"][0], self.meta["stack"][0] * 2)
+
+
+def _served_fn(m):
+    def step(x, idx):
+        h = None
+        for k, w in m.W.items():  # keyed by position in dynamo's sources (as the model's weights are)
+            if k != "w1":
+                h = x @ w if h is None else h + x @ w
+        h = h + _DEQ[id(m.meta["stack"][0])][1].sum(0)
+        m.state.index_put_((idx,), h)
+        return {"y": h.sum(-1) * 2, "dtype": torch.float32}, m.state[0]
+
+    return step
+
+
+def _expected(m, x, idx):
+    h = x @ m.W["w0"] + x @ m.W["w2"] + (m.meta["stack"][0] * 2).sum(0)
+    return h.sum(-1) * 2, h
+
+
+def _compiled_bound(tmp_path, m0, x, idx):
+    """The compile command's part on `m0`: the graph traced, its artifact and binding written."""
+    keep = _Keep()
+    compile_step(_served_fn(m0), EAGER, CompileStats(), name="step S=2", artifacts=keep)(x, idx)
+    name, key, gm = keep.seen[0]
+    store = _store(tmp_path, bindings={name: keep.rec})
+    store.manifest.graphs[key] = {"name": name, "artifact": store.write_graph(key, gm, {}), "seconds": 0.0}
+    store.save()
+    return keep.rec
+
+
+def test_a_bound_graph_runs_on_the_live_objects_without_dynamo(tmp_path):
+    """The served path: a new process's objects (other values, same structure), the graph bound by its
+    name and called without a trace (dynamo's captured-graph counter does not move), computing on those
+    objects -- their weights, their id()-keyed cache entry, their state buffer written in place."""
+    from torch._dynamo.utils import counters
+
+    x, idx = torch.randn(2, 4), torch.tensor([0, 2])
+    rec = _compiled_bound(tmp_path, _Model(1), x, idx)
+    paths = {str(p) for _, p in rec["captured"]}
+    assert any("id_item" in p and "'meta'" in p for p in paths), paths  # the stack, found beside the weights
+    m = _Model(2)
+    src = ArtifactSource(ArtifactStore.open(tmp_path), {}, compile_on_miss=False)
+    stats, before = CompileStats(), counters["stats"]["unique_graphs"]
+    step = compile_step(_served_fn(m), EAGER, stats, name="step S=2", artifacts=src)
+    for k in range(2):  # the first call binds, the second takes the same path
+        xk = x + k
+        out, row0 = step(xk, idx)
+        y, h = _expected(m, xk, idx)
+        # the same ops in the same order on the same values as _expected: exact (tolerance 0)
+        assert torch.equal(out["y"], y) and out["dtype"] is torch.float32
+        assert torch.equal(m.state[[0, 2]], h) and m.state[1].abs().sum() == 0 and row0 is not None
+    assert counters["stats"]["unique_graphs"] == before, "the bound graph was traced"
+    assert (src.loaded, src.bound, stats.graphs, stats.express_calls) == (1, 1, 0, 2)
+
+
+def test_a_binding_that_does_not_fit_is_refused_by_name(tmp_path):
+    x, idx = torch.randn(2, 4), torch.tensor([0, 2])
+    _compiled_bound(tmp_path, _Model(1), x, idx)
+    m = _Model(2)
+    m.W["w2"] = torch.zeros(4, 5)  # a weight of another shape than the graph was compiled for
+    src = ArtifactSource(ArtifactStore.open(tmp_path), {}, compile_on_miss=False)
+    with pytest.raises(ArtifactError, match=r"graph 'step S=2' .* does not bind on this server: graph input \d+ "
+                                            r"\(L\['m'\]\.W\['w2'\]\) is \[\[4, 5\]"):
+        compile_step(_served_fn(m), EAGER, CompileStats(), name="step S=2", artifacts=src)(x, idx)
+    del m.W["w2"]  # gone
+    with pytest.raises(ArtifactError, match=r"L\['m'\]\.W\['w2'\]: KeyError"):
+        compile_step(_served_fn(m), EAGER, CompileStats(), name="step S=2", artifacts=src)(x, idx)
+
+
+def test_a_graph_setting_other_than_the_compiles_is_refused_by_name(tmp_path):
+    from v4flash_backend.settings import Settings
+    from v4flash_backend.trn2.artifacts import graph_settings
+
+    store = _store(tmp_path, settings={"max_model_len": 40, "world_size": 2})
+    want = {"backend": "eager", "graph_settings": graph_settings(Settings(max_model_len=48))}
+    assert "setting max_model_len: compiled for 40, this server has 48" in store.problems(want)
+
+
 # ---- end to end ---------------------------------------------------------------------------------------
 # dspark_adaptive off and a pinned step-cost table: admission then reads that table, not the group's own
 # timings, so two groups' seeded ids can be compared (as tests/test_static_round.py's groups do)
@@ -186,8 +291,11 @@ def test_compile_once_then_every_rank_loads(small_ckpt, tmp_path):
     loaded_ids, loaded = _serve(small_ckpt, sps, out)
     own_ids, own = _serve(small_ckpt, sps)  # a group that compiles its own graphs at start
     assert loaded_ids == own_ids and all(len(i) == 6 for i in loaded_ids)
+    # loaded by name and bound: no graph traced by dynamo at start (counted), none compiled
     assert (loaded["startup_graphs_loaded"], loaded["startup_graphs_compiled"]) == (per_rank, 0)
+    assert loaded["startup_graphs_traced"] == 0 and own["startup_graphs_traced"] == per_rank
     assert (own["startup_graphs_loaded"], own["startup_graphs_compiled"]) == (0, per_rank)
+    assert len(manifest["bindings"]) == per_rank
     assert loaded["graphs_compiled"] == 0 and loaded["static_steps"] == loaded["decode_steps"] > 0
 
     victim = next(g for g in manifest["graphs"].values() if g["name"].startswith("prefill"))

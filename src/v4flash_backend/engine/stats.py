@@ -57,6 +57,7 @@ class EngineStats:
                  # a static rank's start-up (trn2.startup): graphs compiled, and loaded from compiled_artifacts
                  startup_graphs_compiled=c.get("startup_graphs_compiled", 0),
                  startup_graphs_loaded=c.get("startup_graphs_loaded", 0),
+                 startup_graphs_traced=c.get("startup_graphs_traced", 0),  # by dynamo (0: all bound)
                  prefill_graphs=c.get("prefill_graphs", 0),
                  boundary_resident_moves=c.get("boundary_resident_moves"),
                  boundary_reads=c.get("boundary_reads"),

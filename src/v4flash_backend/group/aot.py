@@ -56,6 +56,7 @@ class Capture:
     roles: dict
     graphs: dict = field(default_factory=dict)  # key -> (name, gm, example input specs)
     order: list = field(default_factory=list)  # [name, key] in warm-up order
+    bindings: dict = field(default_factory=dict)  # name -> binding (trn2.express.record) and its key
     loaded: int = 0
 
     def resolve(self, name, key, compile_fn, gm=None, example_inputs=None):
@@ -63,6 +64,10 @@ class Capture:
         if key not in self.graphs:
             self.graphs[key] = (name, gm, [_input_spec(t) for t in example_inputs])
         return gm.forward
+
+    def record(self, name, rec) -> None:
+        """Graph `name`'s binding (compile_step, after its call through dynamo): a rank loads it by name."""
+        self.bindings[name] = dict(rec, key=next(k for n, k in reversed(self.order) if n == name))
 
 
 def _input_spec(t):
@@ -123,8 +128,8 @@ def trace(settings: Settings, cfg, reader, tokenizer, log=print) -> tuple[Captur
     finally:
         if W > 1:
             dist.destroy_process_group()
-    log(f"traced {len(capture.order)} start-up graphs of rank 0/{W} ({len(capture.graphs)} distinct) in "
-        f"{time.perf_counter() - t0:.1f} s")
+    log(f"traced {len(capture.order)} start-up graphs of rank 0/{W} ({len(capture.graphs)} distinct; "
+        f"{len(capture.bindings)} bound: loaded without a trace) in {time.perf_counter() - t0:.1f} s")
     return capture, time.perf_counter() - t0
 
 
@@ -208,10 +213,11 @@ def compile_graphs(settings: Settings, cfg, reader, tokenizer, out: Path, jobs: 
     want = startup_graphs(settings, bool(cfg.dspark_block_size))
     if len(capture.order) != want:
         log(f"warning: traced {len(capture.order)} graphs, trn2.graphs.startup_graphs counts {want}")
-    exp = expectations(cfg, ns, settings.world_size)
+    exp = expectations(cfg, ns, settings.world_size, settings)
     store = ArtifactStore(out)
     old = ArtifactStore.open(out).manifest if (Path(out) / "manifest.json").exists() else None
-    store.manifest = Manifest(**exp, settings=asdict(settings), per_rank=capture.order, key_version=KEY_VERSION)
+    store.manifest = Manifest(**{k: v for k, v in exp.items() if k != "graph_settings"}, settings=asdict(settings),
+                              per_rank=capture.order, bindings=capture.bindings, key_version=KEY_VERSION)
     if old is not None and ArtifactStore(out, old).problems(exp):
         log(f"{out}: the manifest there is for another compiler, model or world size: compiling anew")
         old = None
@@ -241,9 +247,10 @@ def compile_graphs(settings: Settings, cfg, reader, tokenizer, out: Path, jobs: 
             for f in as_completed(futures):
                 j = futures[f]
                 key, seconds = f.result()
-                entry = {"name": j.name, "seconds": round(seconds, 2), "artifact": None}
-                if ns.backend not in NEURON:
-                    entry["artifact"] = store.write_graph(key, capture.graphs[key][1], capture.roles)
+                # the source always (a bound graph is loaded from it); on the Neuron route the backend
+                # lowers it again at load and finds the NEFF in the cache (neff)
+                entry = {"name": j.name, "seconds": round(seconds, 2), "neff": ns.backend in NEURON,
+                         "artifact": store.write_graph(key, capture.graphs[key][1], capture.roles)}
                 store.manifest.graphs[key] = entry
                 store.save()
                 done += 1

@@ -107,7 +107,8 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, 
                         progress=progress if rank == 0 else None, execute=capture is None)
     if capture is None:
         _log(rank, f"static decode graphs ({ns.backend}): {len(runner.buckets)} buckets, {t['compiled']} graphs "
-                   f"compiled and {t['loaded']} loaded in {t['compile_s']:.1f} s, first run in {t['run_s']:.1f} s")
+                   f"compiled and {t['loaded']} loaded ({t['traced']} traced) in {t['compile_s']:.1f} s, first run in "
+                   f"{t['run_s']:.1f} s")
     return runner
 
 
@@ -123,7 +124,7 @@ def artifact_source(settings: Settings, model, ns):
         raise ArtifactError("compiled_artifacts needs a graph_backend that compiles (none runs the graphs op by op)")
     coll = getattr(model.comm, "coll", None)
     store = ArtifactStore.open(settings.compiled_artifacts)
-    store.check(expectations(model.cfg, ns, coll.size("world") if coll is not None else 1))
+    store.check(expectations(model.cfg, ns, coll.size("world") if coll is not None else 1, settings))
     return ArtifactSource(store, group_roles(coll) if coll is not None else {}, settings.compile_on_miss)
 
 

@@ -4,16 +4,22 @@
 
     manifest.json     what was compiled: the key -> artifact table, the start-up graphs of a rank
                       (names, in warm-up order), the compiler (backend, flags, SDK versions), the
-                      world size, the model config and the settings it was compiled for
-    graphs/<key>.py   the CPU stand-in's artifact of one graph: its torch.fx Python source and imports
-                      (what the `eager` backend runs), collectives naming their group by role
+                      world size, the model config and the settings it was compiled for, and per
+                      graph name its binding (`trn2.binding`, `trn2.express.record`: its key, where
+                      each input comes from, the result's structure, the inputs' specs)
+    graphs/<key>.py   one graph's torch.fx Python source and imports (what the CPU stand-in `eager`
+                      runs; what the Neuron route hands its backend), collectives naming their group
+                      by role
     neff/             the Neuron route's artifacts: TorchNeuron's persistent NEFF cache
                       (TORCH_NEURONX_NEFF_CACHE_DIR), filled by the compile, read by the server
 
-A server refuses artifacts that are stale (another world size, backend, compiler flags, model or
-torch) or whose files are gone, naming them, before it traces anything (`ArtifactStore.check`); a
-graph it traces whose key the manifest lacks is compiled when `compile_on_miss` is set and refused,
-by name, otherwise (`ArtifactSource`).
+A server refuses artifacts that are stale (another world size, backend, compiler flags, model,
+torch or graph-shaping setting) or whose files are gone, naming them, before it traces anything
+(`ArtifactStore.check`). A graph with a binding is then loaded by its name (entry point and bucket)
+and called without dynamo (`ArtifactSource.bind`): the manifest's checks stand in for dynamo's
+guards, and each bound input's shape, stride and dtype are checked against the recorded ones. A
+graph without one is traced and looked up by its key: one the manifest lacks is compiled when
+`compile_on_miss` is set and refused, by name, otherwise (`ArtifactSource.resolve`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: the graphs' bindings (a rank loads without tracing)
 NEFF_DIR = "neff"
 
 
@@ -53,13 +59,35 @@ def config_digest(cfg) -> str:
     return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def expectations(cfg, ns, world: int) -> dict:
+# The settings that choose a rank's graphs or are traced into them as constants (buckets, variants,
+# spec mode, kernels, numerics, the split of the world): a bound graph is not guarded by dynamo, so a
+# server whose value differs from the compile's is refused at start, naming the setting.
+GRAPH_SETTINGS = ("max_num_seqs", "max_model_len", "prefill_chunk", "warm_processed", "spec_mode", "fixed_len",
+                  "dspark_adaptive", "ops_backend", "numerics", "pipeline_parallel", "sequence_parallel")
+
+
+def graph_settings(settings) -> dict:
+    """`settings`' values of GRAPH_SETTINGS (a Settings or the manifest's dict), numerics as a rank
+    resolves an empty one on the nki ops (reference, as group.aot.compile_settings does)."""
+    from dataclasses import asdict
+
+    d = asdict(settings) if not isinstance(settings, dict) else settings
+    out = {k: d.get(k) for k in GRAPH_SETTINGS}
+    if not out["numerics"] and out["ops_backend"] == "nki":
+        out["numerics"] = "reference"
+    return out
+
+
+def expectations(cfg, ns, world: int, settings=None) -> dict:
     """What artifacts must have been compiled for, for a server of model `cfg`, compile settings `ns`
-    (trn2.launch.NeuronSettings) and `world` ranks: the manifest's fields a server checks."""
+    (trn2.launch.NeuronSettings), `world` ranks and `settings`: the manifest's fields a server checks."""
     from .graph_key import key_flags
 
-    return {"backend": ns.backend, "flags": list(key_flags(ns)), "world_size": world,
-            "model_config": config_digest(cfg), "versions": versions()}
+    out = {"backend": ns.backend, "flags": list(key_flags(ns)), "world_size": world,
+           "model_config": config_digest(cfg), "versions": versions()}
+    if settings is not None:
+        out["graph_settings"] = graph_settings(settings)
+    return out
 
 
 @dataclass
@@ -72,6 +100,7 @@ class Manifest:
     settings: dict = field(default_factory=dict)
     graphs: dict = field(default_factory=dict)  # key -> {"name", "artifact" (relative path or null), "seconds"}
     per_rank: list = field(default_factory=list)  # [[name, key]] in warm-up order
+    bindings: dict = field(default_factory=dict)  # name -> binding (trn2.express.record, with its "key")
     key_version: int = 0
     format: int = FORMAT
 
@@ -123,6 +152,10 @@ class ArtifactStore:
             have, want = getattr(m, what), expect.get(what)
             if what in expect and have != want:
                 out.append(f"{what}: compiled for {have!r}, this server has {want!r}")
+        have = graph_settings(m.settings)
+        for k, want in expect.get("graph_settings", {}).items():
+            if have[k] != want:
+                out.append(f"setting {k}: compiled for {have[k]!r}, this server has {want!r}")
         for key, g in sorted(m.graphs.items(), key=lambda kv: kv[1]["name"]):
             if g.get("artifact") and not (self.path / g["artifact"]).exists():
                 out.append(f"graph {g['name']!r}: its artifact {g['artifact']} (key {key}) is missing")
@@ -157,6 +190,21 @@ class ArtifactStore:
         for name, role in roles.items():
             text = text.replace(repr("@" + role), repr(name))
         return graph_from_source(text)
+
+    def load_bound(self, key: str, roles: dict, rec: dict):
+        """The callable of bound graph `key`: the source itself (the CPU stand-ins), or on the Neuron
+        route the source handed to the backend as a GraphModule with fake inputs of the recorded specs,
+        which finds its NEFF in the cache the compile filled (never run: no device here)."""
+        fn = self.load_graph(key, roles)
+        if not self.manifest.graphs[key].get("neff"):
+            return fn
+        import torch
+        from torch._subclasses import FakeTensorMode
+
+        gm = torch.fx.symbolic_trace(type("SourceGraph", (torch.nn.Module,), {"forward": fn.forward})())
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            ins = [torch.empty_strided(s[0], s[1], dtype=getattr(torch, s[2]), device=s[3]) for s in rec["inputs"]]
+        return torch._dynamo.lookup_backend(self.manifest.backend)(gm, ins)
 
 
 def _is_collective(node) -> bool:
@@ -202,6 +250,7 @@ def graph_from_source(text: str):
     def run(*args):
         return forward(None, *args)
 
+    run.forward = forward  # forward(self, *inputs): the source as a module's method (the Neuron route)
     return run
 
 
@@ -217,6 +266,34 @@ class ArtifactSource:
     loaded: int = 0
     missed: list = field(default_factory=list)
     seconds: float = 0.0
+    bound: int = 0  # of `loaded`: bound by name and called without dynamo (`bind`)
+
+    def bind(self, name: str, fn, express, wrap) -> dict | None:
+        """Graph `name`'s artifact bound as the express call of `express` (a `trn2.express.Express` of
+        the traced function `fn`) on this process's objects, wrapped by `wrap(graph, binding)`: no
+        trace. Returns the binding, or None where the manifest has none for `name` (the caller then
+        traces it and looks it up by key). A binding that does not fit this server (an input that is
+        gone or has another shape) is refused naming the graph and the input, or, with
+        compile_on_miss, left to the trace."""
+        from .binding import scope_of
+
+        rec = self.store.manifest.bindings.get(name)
+        if rec is None or not self.store.has(rec["key"]) or not self.store.manifest.graphs[rec["key"]].get("artifact"):
+            return None
+        t0 = time.perf_counter()
+        try:
+            express.bind(rec, scope_of(fn), wrap(self.store.load_bound(rec["key"], self.roles, rec), rec))
+        except LookupError as e:
+            if not self.compile_on_miss:
+                raise ArtifactError(f"graph {name!r} (key {rec['key']}) in {self.store.path} does not bind on this "
+                                    f"server: {e}; rerun `python -m v4flash_backend compile` with this server's "
+                                    "settings, or set compile_on_miss") from e
+            self.missed.append(name)
+            return None
+        self.loaded += 1
+        self.bound += 1
+        self.seconds += time.perf_counter() - t0
+        return rec
 
     def resolve(self, name: str, key: str, compile_fn, gm=None, example_inputs=None):
         """The compiled callable of graph `name` (key `key`); compile_fn() compiles it."""
@@ -224,7 +301,7 @@ class ArtifactSource:
             t0 = time.perf_counter()
             g = self.store.manifest.graphs[key]
             # the Neuron route: the backend finds the NEFF in the persistent cache the compile filled
-            out = self.store.load_graph(key, self.roles) if g.get("artifact") else compile_fn()
+            out = self.store.load_graph(key, self.roles) if g.get("artifact") and not g.get("neff") else compile_fn()
             self.loaded += 1
             self.seconds += time.perf_counter() - t0
             return out

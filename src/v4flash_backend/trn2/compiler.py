@@ -10,6 +10,9 @@ compile command's capture) a traced graph is first keyed (`trn2.graph_key`) and 
 instead of compiled. Under `compile_only()` a compiled graph's call returns empty outputs of its
 shapes without running it: a rank's warm-up compiles or loads every graph that way, meets the other
 ranks, and only then runs them (`trn2.startup`), so no collective waits on another rank's compile.
+Where the artifacts also hold each graph's binding (`trn2.binding`: where each input comes from, the
+result's structure), a graph is not traced at all: its first call binds the artifact by the graph's
+name (entry point and bucket) on this process's objects and calls it directly (`trn2.express`).
 """
 
 from __future__ import annotations
@@ -160,19 +163,35 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
         if lock is not None:
             out = _holding(lock, out)
         out = _gated(out, gm)
-        return out if express is None else express.plan(gm, example_inputs, out)
+        return out if express is None else express.plan(gm, example_inputs, out, portable=recording)
 
     traced: dict = {}
     compiled = torch.compile(fn, backend=checked, fullgraph=True, dynamic=False)
     express = None if s.guard_every_call else Express(fn)
+    # with artifacts that hold where each graph input comes from (trn2.binding): the first call binds the
+    # graph's artifact on this process's objects and calls it without dynamo (no trace, no guards)
+    recording = express is not None and hasattr(artifacts, "record")
+    loading = [express is not None and hasattr(artifacts, "bind")]
+
+    def wrap(graph, rec):
+        graph = _gated_specs(graph, rec["outputs"], rec["out_tuple"])
+        return graph if lock is None else _holding(lock, graph)
 
     def run(*args):
+        if loading[0]:
+            loading[0] = False
+            rec = artifacts.bind(name, fn, express, wrap)
+            if rec is not None:
+                traced["collectives"] = rec.get("collectives") or {}
+                stats.names.append(name)
         if express is not None and express.fits(args):
             stats.express_calls += 1
             return express(args)
         out = compiled(*args)
         if express is not None:
             express.learn(args, out)
+            if recording and express.record() is not None:
+                artifacts.record(name, dict(express.record(), collectives=traced.get("collectives") or {}))
         return out
 
     run.traced = traced  # {"collectives": {op: count}} of the captured graph, once compiled
@@ -187,6 +206,18 @@ def _gated(compiled, gm):
     def call(*args):
         if getattr(_PHASE, "compile_only", False):
             return _empty_outputs(gm)
+        return compiled(*args)
+
+    return call
+
+
+def _gated_specs(compiled, specs: list, as_tuple: bool):
+    """`_gated` for a bound artifact: the empty outputs from the specs its compile recorded."""
+    def call(*args):
+        if getattr(_PHASE, "compile_only", False):
+            out = [None if s is None else torch.empty_strided(s[0], s[1], dtype=getattr(torch, s[2]), device=s[3])
+                   for s in specs]
+            return tuple(out) if as_tuple else out[0]
         return compiled(*args)
 
     return call

@@ -24,6 +24,10 @@ whose result has a leaf that is no graph output (e.g. a view dynamo rebuilds), n
 path. What it cannot see: a captured tensor replaced by another (a different object at the same
 attribute) -- which is why those tensors must stay resident (NeuronSettings.guard_every_call keeps
 dynamo's guards on every call, for code that swaps them).
+
+The same plan, written down (`record`: each captured tensor by its portable path, `trn2.binding`,
+the result's structure, the inputs' and outputs' specs, the global state), lets another process
+call the graph's artifact with no dynamo at all (`bind`: a rank starting from compiled artifacts).
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class Express:
         self.why_not = "not compiled yet"
         self.ready = False
         self.raw = None  # the compiled artifact's last outputs (for `learn`)
+        self.rec = self.unbound = self.bound_rec = None  # the plan written down (`record`), or why not; `bind`'s
 
     # ---- while dynamo compiles -------------------------------------------------------------------
     def _arg_index(self, src) -> int | None:
@@ -107,10 +112,13 @@ class Express:
             return len(self.params) + src.index
         return -1
 
-    def plan(self, gm, example_inputs, compiled):
-        """Map the graph's inputs; returns the callable to hand dynamo (it records the outputs)."""
+    def plan(self, gm, example_inputs, compiled, portable: bool = False):
+        """Map the graph's inputs; returns the callable to hand dynamo (it records the outputs).
+        portable: also write the plan down for another process (`record`)."""
         self.graph, self.ready = compiled, False
         self.flat, self.arg_slots, self.why_not = [], [], None
+        self.rec, self.unbound, self.bound_rec = None, None, None
+        sources = []
         if trace_side_effects() is not False:
             self.why_not = "the trace has Python side effects (or they are unknown)"
         for k, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
@@ -127,6 +135,10 @@ class Express:
             self.flat.append(ex if i is None else None)
             if i is not None:
                 self.arg_slots.append((k, i))
+            else:
+                sources.append((k, src))
+        if portable and self.why_not is None:
+            self._write_plan(gm, example_inputs, sources)
 
         def run(*flat):
             raw = compiled(*flat)
@@ -158,9 +170,78 @@ class Express:
                 self.why_not = f"a result leaf is a {type(leaf).__name__}"
                 return
         self.key, self.state, self.ready = _arg_key(args), _global_state(), True
+        if self.rec is not None:
+            self.rec.update(take=[t if isinstance(t, int) else _const(t[1]) for t in self.take],
+                            spec=pytree.treespec_dumps(self.spec), state=_state_json(self.state),
+                            aliases=list(self.key[1]))
+
+    # ---- written down for another process --------------------------------------------------------------
+    def _write_plan(self, gm, example_inputs, sources) -> None:
+        from .binding import Unbindable, portable_paths
+
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            tx = InstructionTranslator.current_tx().output.root_tx
+            paths = portable_paths([s for _, s in sources], {"L": tx.f_locals, "G": tx.f_globals})
+        except Unbindable as e:
+            self.unbound = str(e)
+            return
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        vals = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else None
+                for a in outs]
+        self.rec = {"captured": [[k, p] for (k, _), p in zip(sources, paths)],
+                    "args": [list(s) for s in self.arg_slots],
+                    "inputs": [_spec(t) for t in example_inputs],
+                    "outputs": [_spec(v) if isinstance(v, torch.Tensor) else None for v in vals],
+                    "out_tuple": isinstance(out, (tuple, list))}
+
+    def record(self) -> dict | None:
+        """The plan of the last compiled graph as JSON (None: it has none: side effects, an input with
+        no portable path, or no call through dynamo yet)."""
+        return self.rec if self.ready and self.rec is not None and "take" in self.rec else None
+
+    def bind(self, rec: dict, scope: dict, graph) -> None:
+        """Make this the express call of `graph` (an artifact's callable) as `rec` (`record` of the
+        process that compiled it) says, each captured tensor resolved on the live objects of `scope`
+        ({"L": the traced function's closure variables, "G": its globals}) and checked against its
+        recorded spec. The first call's arguments are checked the same way (`fits`). Raises
+        LookupError naming the input that cannot be bound."""
+        from .binding import resolve, show
+
+        flat = [None] * len(rec["inputs"])
+        for k, path in rec["captured"]:
+            t = resolve(path, scope)
+            if not isinstance(t, torch.Tensor) or _spec(t) != rec["inputs"][k]:
+                got = _spec(t) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LookupError(f"graph input {k} ({show(path)}) is {got}, compiled for {rec['inputs'][k]}")
+            flat[k] = t
+        self.graph, self.flat, self.arg_slots = graph, flat, [tuple(s) for s in rec["args"]]
+        self.take = [t if isinstance(t, int) else ("const", _unconst(t)) for t in rec["take"]]
+        self.spec = pytree.treespec_loads(rec["spec"])
+        self.bound_rec, self.key, self.why_not, self.ready = rec, None, None, True
+
+    def _first_fit(self, args: tuple) -> bool:
+        """The first call of a bound graph: its arguments and the global state as recorded."""
+        rec = self.bound_rec
+        if _state_json(_global_state()) != rec["state"] or len(args) < 1 + max((i for _, i in self.arg_slots),
+                                                                                default=-1):
+            return False
+        for k, i in self.arg_slots:
+            a = args[i]
+            if not isinstance(a, torch.Tensor) or a.requires_grad or _spec(a) != rec["inputs"][k]:
+                return False
+        key = _arg_key(args)
+        if list(key[1]) != rec["aliases"]:
+            return False
+        self.key, self.state, self.bound_rec = key, _global_state(), None
+        return True
 
     # ---- afterwards ----------------------------------------------------------------------------------
     def fits(self, args: tuple) -> bool:
+        if self.ready and self.key is None and getattr(self, "bound_rec", None) is not None:
+            return self._first_fit(args)
         return self.ready and _arg_key(args) == self.key and _global_state() == self.state
 
     def __call__(self, args: tuple):
@@ -169,3 +250,25 @@ class Express:
             flat[k] = args[i]
         raw = self.graph(*flat)
         return pytree.tree_unflatten([t[1] if isinstance(t, tuple) else raw[t] for t in self.take], self.spec)
+
+
+def _spec(t: torch.Tensor) -> list:
+    """What a bound input must be: shape, stride, dtype and device type (a rank's core is its device 0)."""
+    return [list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type]
+
+
+def _state_json(state: tuple) -> list:
+    return [str(x) if isinstance(x, torch.dtype) else x for x in state]
+
+
+def _const(v) -> list:
+    if isinstance(v, torch.dtype):
+        return ["dtype", str(v).removeprefix("torch.")]
+    if isinstance(v, torch.device):
+        return ["device", str(v)]
+    return ["value", v]
+
+
+def _unconst(c: list):
+    kind, v = c
+    return getattr(torch, v) if kind == "dtype" else torch.device(v) if kind == "device" else v

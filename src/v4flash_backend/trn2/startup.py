@@ -11,7 +11,8 @@ runtime's execution timeout. So a rank group's warm-up (`warm_up`) is:
    uncompiled priming round, whose collectives meet at once (`StaticGraphs.prime`);
 1. every start-up graph (`startup_steps`, in the order `startup_graphs` counts them) called under
    `compiler.compile_only()`: dynamo traces it and the backend compiles it, or the artifacts
-   provide it -- and nothing runs: no device work, no collective;
+   provide it -- bound by name without a trace where they hold its binding (`trn2.binding`), else
+   looked up by the traced graph's key -- and nothing runs: no device work, no collective;
 2. the control-plane barrier again: every rank holds every graph;
 3. every graph run once on its padding plan (it changes no real slot), with the device groups'
    collective timeout raised to `warmup_timeout_s` for this phase alone (a first run loads a NEFF
@@ -67,14 +68,20 @@ def warm_up(runner, mode: str, fixed_len: int, stop_width: int, processed: bool,
     backend other than none). coll: the rank's `parallel.collectives.Collectives` (None or one rank:
     no barriers). execute False: phases 0-1 only (the compile command). Returns seconds per phase and
     the graphs compiled and loaded."""
+    from torch._dynamo.utils import counters
+
     steps = startup_steps(runner, mode, fixed_len, stop_width, processed, nodraft)
+    traced0 = counters["stats"]["unique_graphs"]  # graphs dynamo captured in this process
     t = run_in_phases(steps, lambda: prime(runner, mode, fixed_len, stop_width), coll, warmup_timeout_s,
                       collective_timeout_s, progress, execute)
     stats = [runner.graphs.stats] + ([runner.pgraphs.stats] if runner.pgraphs is not None else [])
     t["compiled"] = sum(s.graphs for s in stats)
     src = runner.graphs.artifacts
     t["loaded"] = getattr(src, "loaded", 0)
-    runner.counters.update(startup_graphs_compiled=t["compiled"], startup_graphs_loaded=t["loaded"])
+    t["traced"] = counters["stats"]["unique_graphs"] - traced0  # 0 where every graph was bound (no trace)
+    runner.counters.update(startup_graphs_compiled=t["compiled"], startup_graphs_loaded=t["loaded"],
+                           startup_graphs_traced=t["traced"])
+    runner.startup_times = t  # perf/bench_artifact_load.py reads the phases
     return t
 
 
