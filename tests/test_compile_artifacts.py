@@ -135,6 +135,21 @@ def test_stale_or_incomplete_artifacts_are_refused_naming_what(tmp_path):
         store.check(dict(want, world_size=4))
 
 
+def test_artifacts_of_other_model_code_are_refused(tmp_path):
+    """A bound graph is loaded without a trace, so the manifest names the code it was traced from:
+    artifacts compiled from other v4flash source (a digest of the packages' .py files) are stale."""
+    from v4flash_backend.trn2.artifacts import source_digest, versions
+
+    here = versions()
+    assert here["v4flash-source"] == source_digest() and len(source_digest()) == 16
+    store = _store(tmp_path, versions=dict(here, **{"v4flash-source": "0" * 16}))
+    want = {"backend": "eager", "flags": ["backend=eager"], "world_size": 2, "model_config": "m", "versions": here}
+    with pytest.raises(ArtifactError, match=r"versions: compiled for .*'v4flash-source': '0{16}'"):
+        store.check(want)
+    store.manifest.versions = here
+    assert store.problems(want) == []
+
+
 # ---- bound graphs: loaded by name, called without dynamo -------------------------------------------------
 _DEQ: dict = {}  # an id()-keyed cache of derived weights, as ops.torch_ops' dequantized weights
 

@@ -41,7 +41,9 @@ class ArtifactError(RuntimeError):
 
 
 def versions() -> dict[str, str]:
-    """The compiler stack a graph was compiled with: torch, and the Neuron packages where installed."""
+    """The compiler stack a graph was compiled with: torch, and the Neuron packages where installed; and
+    the code that traced it (`source_digest`): a bound graph is loaded without a trace, so nothing else
+    would notice that the model's code changed since the compile."""
     from importlib import metadata
 
     out = {}
@@ -50,7 +52,29 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    out["v4flash-source"] = source_digest()
     return out
+
+
+_SOURCE_DIGEST: list = []
+
+
+def source_digest() -> str:
+    """A hash of the Python source of the packages whose code a graph is traced from (v4flash_backend,
+    and nki_sim, which runs the kernels on the CPU stand-in): any edit there makes artifacts stale.
+    Comments and docstrings count too (a cheap, conservative rule: a stale refusal costs a recompile,
+    a stale load would serve another program). Computed once per process (~150 files)."""
+    if not _SOURCE_DIGEST:
+        import nki_sim
+        import v4flash_backend
+
+        h = hashlib.sha256()
+        for pkg in (v4flash_backend, nki_sim):
+            root = Path(pkg.__file__).parent
+            for f in sorted(root.rglob("*.py")):
+                h.update(str(f.relative_to(root.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
+        _SOURCE_DIGEST.append(h.hexdigest()[:16])
+    return _SOURCE_DIGEST[0]
 
 
 def config_digest(cfg) -> str:
