@@ -150,6 +150,29 @@ def test_artifacts_of_other_model_code_are_refused(tmp_path):
     assert store.problems(want) == []
 
 
+def test_a_finished_compile_is_known_without_a_trace(tmp_path):
+    """group.aot._complete: a rerun of the compile command needs no trace when the manifest is for the
+    same source, model, compiler, world and settings and holds every start-up graph bound, with its
+    artifact; a missing artifact, a missing binding or another expectation sends it back to the trace."""
+    from v4flash_backend.group.aot import _complete
+
+    order = [["round verify S=1 Q=6 ctx=40", "k1"], ["prefill S=1 Q=16 ctx=40", "k2"]]
+    store = _store(tmp_path, per_rank=order, bindings={n: {"key": k} for n, k in order},
+                   graphs={k: {"name": n, "artifact": f"graphs/{k}.py"} for n, k in order})
+    (tmp_path / "graphs").mkdir()
+    for _, k in order:
+        (tmp_path / "graphs" / f"{k}.py").write_text("")
+    want = {"backend": "eager", "flags": ["backend=eager"], "world_size": 2, "model_config": "m"}
+    assert _complete(tmp_path, want) == ["k1", "k2"]
+    assert _complete(tmp_path, dict(want, world_size=4)) is None
+    (tmp_path / "graphs" / "k2.py").unlink()
+    assert _complete(tmp_path, want) is None
+    (tmp_path / "graphs" / "k2.py").write_text("")
+    store.manifest.bindings.pop(order[0][0])
+    store.save()
+    assert _complete(tmp_path, want) is None
+
+
 # ---- bound graphs: loaded by name, called without dynamo -------------------------------------------------
 _DEQ: dict = {}  # an id()-keyed cache of derived weights, as ops.torch_ops' dequantized weights
 
@@ -267,7 +290,8 @@ def _compile(ckpt, out) -> dict:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     m = _LINE.fullmatch(r.stdout.strip().splitlines()[-1])
     assert m, r.stdout[-500:]
-    return dict(zip(("graphs", "distinct", "ranks", "compiled", "reused"), map(int, m.groups())))
+    traced = "nothing to do" not in r.stdout  # group.aot._complete: a finished compile is not traced again
+    return dict(zip(("graphs", "distinct", "ranks", "compiled", "reused"), map(int, m.groups())), traced=traced)
 
 
 def _serve(ckpt, sps_path, artifacts=""):
@@ -298,8 +322,9 @@ def test_compile_once_then_every_rank_loads(small_ckpt, tmp_path):
     out = tmp_path / "compiled"
     first = _compile(small_ckpt, out)
     per_rank = startup_graphs(Settings(**SETTINGS))  # verify + draft round, prefill, forward
-    assert first == dict(graphs=per_rank, distinct=per_rank, ranks=2, compiled=per_rank, reused=0), first
-    assert _compile(small_ckpt, out) == dict(first, compiled=0, reused=per_rank)  # resumable: nothing left to do
+    assert first == dict(graphs=per_rank, distinct=per_rank, ranks=2, compiled=per_rank, reused=0, traced=True), first
+    # resumable: nothing left to do, known without a trace
+    assert _compile(small_ckpt, out) == dict(first, compiled=0, reused=per_rank, traced=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["graphs"]) == per_rank and manifest["world_size"] == 2
 

@@ -10,7 +10,9 @@ ahead of time, into artifacts every rank loads (`compiled_artifacts`; `trn2.arti
    (`trn2.graph_key`, collectives by group role); rank-agnostic graphs (`trn2-check` checks it) make
    rank 0's keys every rank's.
 2. Compile each distinct key not already in `--out` (resumable: the manifest is rewritten after each
-   graph) in N processes, each graph from its torch.fx source:
+   graph; a rerun over a finished compile of the same source, model, compiler, world and settings
+   knows it from the manifest and traces nothing, `_complete`) in N processes, each graph from its
+   torch.fx source:
    - the Neuron backends (`graph_backend` neuron / neuron_libtorch, on a trn2 or any x86 host with
      neuronx-cc; no NeuronCore needed): TorchNeuron's documented route, torch.compile with backend
      "neuron", which lowers FX -> AOT Autograd -> StableHLO -> neuronx-cc and stores the NEFF in its
@@ -198,6 +200,25 @@ def _compile_job(job: Job) -> tuple[str, float]:
     return job.key, time.perf_counter() - t0
 
 
+def _complete(out: Path, exp: dict) -> list | None:
+    """The keys of a rank's start-up graphs (in order) when `out` already holds all of them for
+    expectations `exp` -- the same v4flash source, model, compiler, world and graph-shaping settings
+    (`ArtifactStore.problems`), every graph bound and its artifact present: then the graphs a new
+    trace would capture are these, and a rerun has nothing to trace or compile. Else None."""
+    from v4flash_backend.trn2.artifacts import ArtifactStore
+
+    if not (Path(out) / "manifest.json").exists():
+        return None
+    store = ArtifactStore.open(out)
+    m = store.manifest
+    if store.problems(exp) or not m.per_rank:
+        return None
+    keys = [key for _, key in m.per_rank]
+    if all(name in m.bindings for name, _ in m.per_rank) and all(k in m.graphs and store.has(k) for k in keys):
+        return keys
+    return None
+
+
 def compile_graphs(settings: Settings, cfg, reader, tokenizer, out: Path, jobs: int = 1, log=print) -> dict:
     """The whole command (module docstring); returns the figures of its last line."""
     from v4flash_backend.parallel.layout import attention_group_max
@@ -209,11 +230,16 @@ def compile_graphs(settings: Settings, cfg, reader, tokenizer, out: Path, jobs: 
     t0 = time.perf_counter()
     settings = compile_settings(settings)
     ns = NeuronSettings.from_settings(settings)
+    exp = expectations(cfg, ns, settings.world_size, settings)
+    done_before = _complete(out, exp)
+    if done_before is not None:  # nothing to do, and no trace needed to know it
+        log(f"{out}: every graph of these settings is compiled (same source, model, compiler, world): nothing to do")
+        return {"graphs": len(done_before), "distinct": len(set(done_before)), "ranks": settings.world_size,
+                "compiled": 0, "reused": len(set(done_before)), "seconds": time.perf_counter() - t0}
     capture, _ = trace(settings, cfg, reader, tokenizer, log)
     want = startup_graphs(settings, bool(cfg.dspark_block_size))
     if len(capture.order) != want:
         log(f"warning: traced {len(capture.order)} graphs, trn2.graphs.startup_graphs counts {want}")
-    exp = expectations(cfg, ns, settings.world_size, settings)
     store = ArtifactStore(out)
     old = ArtifactStore.open(out).manifest if (Path(out) / "manifest.json").exists() else None
     store.manifest = Manifest(**{k: v for k, v in exp.items() if k != "graph_settings"}, settings=asdict(settings),
