@@ -74,3 +74,17 @@ def test_generate_flags_come_from_the_settings_schema():
             ap.parse_args(["--checkpoint", "ck", flag, "bogus"])
     with pytest.raises(SystemExit):
         ap.parse_args(["--prompt-ids", "1"])  # a run needs its checkpoint
+
+
+def test_every_subcommand_prints_its_help(capsys):
+    """`--help` of every subcommand (argparse formats help strings with %: a setting's doc that says
+    "3 %" made `compile --help` raise TypeError)."""
+    import pytest
+
+    from v4flash_backend.cli import main
+
+    for cmd in ("golden-check", "generate", "placement", "release-check", "trn2-check", "compile", "device-standin"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0, cmd
+        assert capsys.readouterr().out.startswith("usage:"), cmd

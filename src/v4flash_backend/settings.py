@@ -390,7 +390,9 @@ class Settings:
             if (f.metadata["scope"] not in scopes and f.name not in extra) or f.name in skip:
                 continue
             names = ["--" + f.name.replace("_", "-"), *f.metadata["flags"]]
-            kw: dict[str, Any] = dict(dest=f.name, default=None, help=f"{f.metadata['doc']} (default {f.default!r})")
+            # argparse formats help strings with %: the docs' "3 %" must read as text
+            doc = f"{f.metadata['doc']} (default {f.default!r})".replace("%", "%%")
+            kw: dict[str, Any] = dict(dest=f.name, default=None, help=doc)
             if f.type in ("bool", bool):
                 kw["type"] = lambda raw, _k=f.name: _parse_bool(_k, raw)
             else:
