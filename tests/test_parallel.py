@@ -187,6 +187,9 @@ def test_counted_collectives_match_the_layout_formula(wn):
         got = {k: c[0] for k, c in res[f"counts.{name}"].items()}
         want = collectives_per_forward(cfg, W, [(s, n) for _, s, n in res[f"spec.{name}"]])
         assert got == want, (name, got, want)
+        # the embedding and the Engram layers' lookups travel in one world all-reduce (issue 47
+        # item 5): one per MoE layer besides, not one more per Engram layer (2 here)
+        assert got[("world", "all_reduce")] == 1 + cfg.n_layers and len(cfg.engram_layer_ids) == 2, name
     # the single-token step at position 0 reaches no ratio-2 group: only the ratio-1 indexers reduce
     assert {k: c[0] for k, c in res["counts.first_token"].items()}[("attn", "all_reduce")] == 10 + 2
     got = {k: c[0] for k, c in res["counts.draft"].items()}
