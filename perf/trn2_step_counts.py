@@ -32,7 +32,7 @@ RELEASE_JSON = SHARED / "configs" / "deepseek-v4.1-flash.json"
 TOKENIZER = SHARED / "golden" / "v41-tiny" / "tokenizer.json"
 
 # Which group each collective hook of the forward reduces over (parallel/layout.py's placement).
-HOOK_GROUP = {"embed": "world", "engram_rows": "world", "moe_out": "world", "head": "world",
+HOOK_GROUP = {"embed": "world", "engram_rows": "world", "lookups": "world", "moe_out": "world", "head": "world",
               "attn_out": "attn", "index_scores": "attn"}
 HOOK_OP = {"head": "all_gather"}  # the rest are all-reduces
 
@@ -116,6 +116,11 @@ class CountingComm(LocalComm):
         self._rec("engram_rows", v.numel() * v.element_size())
         return super().engram_rows(v)
 
+    def lookups(self, parts):  # one collective for all of them, whatever their number (none for none)
+        if parts:
+            self._rec("lookups", sum(p.numel() * p.element_size() for p in parts))
+        return super().lookups(parts)
+
     def head(self, logits):
         self._rec("head", logits.numel() * logits.element_size())
         return super().head(logits)
@@ -156,16 +161,17 @@ def measure_step(model: V41Model, seqs: int, ctx: int, dspark: bool) -> dict:
 def layout_counts(cfg: ModelConfig, world: int, attn_group: int) -> dict:
     """Collectives of one static decode round (verify graph + DSpark draft graph + the step plan),
     derived from the layout (parallel/layout.py's placement) and the config alone -- not from a run:
-    world all-reduces: the vocab-parallel embedding (verify and draft), one per Engram layer (rows
-    partitioned by rank), one per MoE layer and per DSpark stage (experts partitioned, tokens
-    replicated); world all-gathers: the vocab-parallel head (verify and draft); attention-group
-    all-reduces (heads split, only when the group has > 1 rank): one o-projection per layer and per
-    stage, one indexer score per index-source layer; one broadcast of the plan over the control plane
-    (gloo: parallel.collectives.make_groups)."""
+    world all-reduces: the vocab-parallel embedding (verify and draft; the verify's carries the
+    Engram layers' row lookups too: rows partitioned by rank, one collective for all), one per MoE
+    layer and per DSpark stage (experts partitioned, tokens replicated); world all-gathers: the
+    vocab-parallel head (verify and draft); attention-group all-reduces (heads split, only when the
+    group has > 1 rank): one o-projection per layer and per stage, one indexer score per
+    index-source layer; one broadcast of the plan over the control plane (gloo:
+    parallel.collectives.make_groups)."""
     if world == 1:
         return {}
     st = cfg.n_mtp_layers if cfg.dspark_block_size else 0
-    out = {"world.all_reduce": 1 + len(cfg.engram_layer_ids) + cfg.n_layers + (1 + st if st else 0),
+    out = {"world.all_reduce": 1 + cfg.n_layers + (1 + st if st else 0),
            "world.all_gather": 1 + (1 if st else 0), "control.broadcast": 1}
     if attn_group > 1:
         out["attn.all_reduce"] = cfg.n_layers + len(cfg.index_source_layers) + st

@@ -241,21 +241,21 @@ class LayerCompare:
         self.m, self.phase, self.diffs = model, phase, []
         self._orig_block = model.block
         self._orig_hc_block = model.hc_block
-        self._orig_engram = model_mod.engram
+        self._orig_engram = model_mod.engram_mix
         self._orig_head = model.head_logits
 
     def __enter__(self):
         ops.set_numerics("reference")
         self.m.block = self._block
         self.m.hc_block = self._hc_block
-        model_mod.engram = self._engram
+        model_mod.engram_mix = self._engram
         self.m.head_logits = self._head
         return self
 
     def __exit__(self, *exc):
         self.m.block = self._orig_block
         self.m.hc_block = self._orig_hc_block
-        model_mod.engram = self._orig_engram
+        model_mod.engram_mix = self._orig_engram
         self.m.head_logits = self._orig_head
         return False
 
@@ -319,11 +319,11 @@ class LayerCompare:
             capture.update(cap_t)
         return out_t, pre_t
 
-    def _engram(self, W, cfg, layer, h, hashes, comm):
+    def _engram(self, W, cfg, layer, h, rows):
         with backend("torch"):
-            t = self._orig_engram(W, cfg, layer, h, hashes, comm)
+            t = self._orig_engram(W, cfg, layer, h, rows)
         with backend("nki-sim"):
-            n = self._orig_engram(W, cfg, layer, h, hashes, comm)
+            n = self._orig_engram(W, cfg, layer, h, rows)
         d = LayerDiff(f"{self.phase} engram.{layer}", h.shape[0])
         d.errs["x_out"] = row_rel(n, t)
         self.diffs.append(d)

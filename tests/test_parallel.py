@@ -187,6 +187,9 @@ def test_counted_collectives_match_the_layout_formula(wn):
         got = {k: c[0] for k, c in res[f"counts.{name}"].items()}
         want = collectives_per_forward(cfg, W, [(s, n) for _, s, n in res[f"spec.{name}"]])
         assert got == want, (name, got, want)
+        # the embedding and the Engram layers' lookups travel in one world all-reduce (issue 47
+        # item 5): one per MoE layer besides, not one more per Engram layer (2 here)
+        assert got[("world", "all_reduce")] == 1 + cfg.n_layers and len(cfg.engram_layer_ids) == 2, name
     # the single-token step at position 0 reaches no ratio-2 group: only the ratio-1 indexers reduce
     assert {k: c[0] for k, c in res["counts.first_token"].items()}[("attn", "all_reduce")] == 10 + 2
     got = {k: c[0] for k, c in res["counts.draft"].items()}
@@ -290,6 +293,36 @@ def test_layout_rules():
     with pytest.raises(ValueError, match="cannot be split 8 ways"):
         lay.split(12, "heads")
 
+
+def test_lookups_reduce_every_part_in_one_collective():
+    """DistComm.lookups (the embedding's and the Engram layers' rows): one world all-reduce of the
+    parts end to end, in their own dtype (a promoted buffer would not be the bf16 sum W = 1 has),
+    each part given back in its shape; a lone part is one call, none is none; mixed dtypes refused.
+    The spy sums a second rank's buffer in, as the world would."""
+    from v4flash_backend.parallel.collectives import Collectives
+    from v4flash_backend.parallel.comm import DistComm
+    from v4flash_backend.parallel.layout import Layout
+
+    class Spy(Collectives):
+        def all_reduce(self, t, group, label="all_reduce"):
+            self.seen.append((group, t.dtype, t.numel()))
+            return t + self.peer.reshape(t.shape)
+
+    coll = Spy(sizes={"world": 2, "attn": 2})
+    comm = DistComm(Layout(0, 2), coll, 64)
+    g = torch.Generator().manual_seed(3)
+    mine = [torch.randn(5, 8, generator=g).bfloat16(), torch.randn(5, 3, 4, generator=g).bfloat16()]
+    theirs = [torch.randn(5, 8, generator=g).bfloat16(), torch.randn(5, 3, 4, generator=g).bfloat16()]
+    coll.seen, coll.peer = [], torch.cat([p.flatten() for p in theirs])
+    out = comm.lookups(mine)
+    assert coll.seen == [("world", torch.bfloat16, 40 + 60)]
+    assert all(torch.equal(o, a + b) for o, a, b in zip(out, mine, theirs, strict=True))
+    coll.seen, coll.peer = [], theirs[0]
+    assert torch.equal(comm.lookups(mine[:1])[0], mine[0] + theirs[0]) and len(coll.seen) == 1
+    coll.seen = []
+    assert comm.lookups([]) == [] and coll.seen == []
+    with pytest.raises(TypeError, match="share a dtype"):
+        comm.lookups([mine[0], mine[1].float()])
 
 # ---- step plans -------------------------------------------------------------------------------------------
 def test_step_plans_round_trip():

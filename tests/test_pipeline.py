@@ -465,7 +465,7 @@ def test_sequence_parallel_with_two_attention_groups_in_a_stage(tmp_path):
     got = _counts(res, "batched_prefill")
     cfg = _cfg()
     assert got[("attn", "reduce_scatter")] == cfg.n_layers  # wo_b only
-    assert got[("world", "all_reduce")] == 1 + cfg.n_layers + len(cfg.engram_layer_ids)  # embed, MoE, Engram
+    assert got[("world", "all_reduce")] == 1 + cfg.n_layers  # embed + Engram lookups (one), MoE
     assert got[("attn", "sp_all_gather")] == 2 * cfg.n_layers + 3
 
 

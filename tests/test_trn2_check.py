@@ -168,8 +168,13 @@ def test_two_ranks_of_other_attention_groups_trace_the_same_graphs():
 def test_a_rank_constant_in_a_graph_fails_rank_agnostic(monkeypatch):
     from v4flash_backend.parallel.comm import DistComm
 
-    orig = DistComm.embed
-    monkeypatch.setattr(DistComm, "embed", lambda self, y: orig(self, y) + self.lay.rank)  # the mistake
+    orig = DistComm.lookups  # the forward's embedding rows travel through it (with Engram's)
+
+    def mistake(self, parts):
+        y, *rest = orig(self, parts)
+        return [y + self.lay.rank, *rest]
+
+    monkeypatch.setattr(DistComm, "lookups", mistake)
     lines = []
     ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=lines.append,
                                    select=lambda n: n.startswith("forward"))
@@ -177,7 +182,7 @@ def test_a_rank_constant_in_a_graph_fails_rank_agnostic(monkeypatch):
     diff = [x for x in lines if "not rank-agnostic" in x]
     # the forward graph, at the node that adds the rank: 0 on rank 0, 1 on rank 1
     assert len(diff) == 1 and "graph forward S=1 Q=6 ctx=256" in diff[0] and "aten.add" in diff[0], diff
-    monkeypatch.setattr(DistComm, "embed", orig)
+    monkeypatch.setattr(DistComm, "lookups", orig)
     ok, final, _ = trn2.trn2_check(TINY, None, 2, 0, processed=False, log=None,
                                    select=lambda n: n.startswith("forward"))
     assert final.endswith("rank_agnostic=yes"), final

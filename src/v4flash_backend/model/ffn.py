@@ -277,19 +277,33 @@ def moe(W: dict, cfg: ModelConfig, layer_prefix: str, n_act: int, x: torch.Tenso
     return y.to(x.dtype)
 
 
-def engram(W: dict, cfg: ModelConfig, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, comm) -> torch.Tensor:
-    """h [T, hc, D] bf16; hash_ids [T, n_cols] table rows of this layer. Rows are dequantized
-    (fp8 x per-32 scale) to bf16, flattened in column order, projected to hc keys + one value."""
+def engram_lookup(W: dict, layer: int, hash_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's Engram rows [T, n_cols, C] bf16 of hash_ids [T, n_cols] (table rows of `layer`):
+    dequantized (fp8 x per-32 scale), zero where another rank holds the row, so the sum over the
+    ranks that split the table is the lookup. Depends on the token ids only: the forward reduces
+    it together with the embedding's rows (`comm.lookups`)."""
     p = f"layers.{layer}.engram"
     table, scale = W[p + ".embed.weight"], W[p + ".embed.scale"]
     local = hash_ids - W.rank_offset(f"engram_row_start.{layer}")  # a tensor on a shard: see Weights
     miss = (local < 0) | (local >= table.shape[0])
     local = local.masked_fill(miss, 0)
     rows = quant.dequant_fp8_rows(table[local], scale[local]).to(torch.bfloat16)
-    rows = comm.engram_rows(rows.masked_fill(miss.unsqueeze(-1), 0))
+    return rows.masked_fill(miss.unsqueeze(-1), 0)
+
+
+def engram_mix(W: dict, cfg: ModelConfig, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """h [T, hc, D] bf16; rows [T, n_cols, C] the layer's looked-up rows (reduced over ranks),
+    flattened in column order and projected to hc keys + one value that gate the streams."""
+    p = f"layers.{layer}.engram"
     kv = linear(W, p + ".wkv", rows.flatten(-2))
     hc, D = cfg.hc_mult, cfg.dim
     key = kv[..., : hc * D].unflatten(-1, (hc, D))
     value = kv[..., hc * D:]
     qk = W[p + ".q_weight"].float() * W[p + ".k_weight"].float()
     return ops.engram_gate(h, key, value, qk, cfg.norm_eps)
+
+
+def engram(W: dict, cfg: ModelConfig, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, comm) -> torch.Tensor:
+    """One Engram layer with its own reduction (the golden per-layer replay; the forward folds the
+    lookups into one collective instead)."""
+    return engram_mix(W, cfg, layer, h, comm.engram_rows(engram_lookup(W, layer, hash_ids)))

@@ -16,7 +16,7 @@ from v4flash_backend import ops
 from v4flash_backend.config import ModelConfig
 
 from .attention import attention
-from .ffn import engram, moe
+from .ffn import engram_lookup, engram_mix, moe
 from .geometry import Geometry, last_rows, masked_put, segment_geometry
 from .rope import TableRope, layer_rope
 from .state import ModelState, Segment
@@ -41,6 +41,9 @@ class LocalComm:
 
     def engram_rows(self, v):  # Engram table rows partitioned by rank
         return v
+
+    def lookups(self, parts):  # embedding and Engram rows (each held by one rank): summed in one collective
+        return parts
 
     def head(self, logits):  # vocab-parallel head: gather the vocab shards
         return logits
@@ -98,11 +101,14 @@ class V41Model:
 
     # ---- pieces, also used by the golden per-layer replay -------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.comm.embed(self.embed_rows(tokens))
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's embedding rows [T, D] (zero where another rank holds the vocab row)."""
         table = self.W["embed.weight"]
         local = tokens - self.W.rank_offset("vocab_start")  # a tensor on a shard: see Weights
         miss = (local < 0) | (local >= table.shape[0])
-        y = table[local.masked_fill(miss, 0)].masked_fill(miss.unsqueeze(-1), 0)
-        return self.comm.embed(y)
+        return table[local.masked_fill(miss, 0)].masked_fill(miss.unsqueeze(-1), 0)
 
     def engram_hashes(self, state: ModelState, tokens: torch.Tensor, segs: list[Segment],
                       geos: list[Geometry] | None = None) -> torch.Tensor:
@@ -203,12 +209,19 @@ class V41Model:
         lo, hi = self.stage
         positions = torch.cat([g.flat_pos for g in geos]) if len(geos) > 1 else geos[0].flat_pos
         eng = [i for i in cfg.engram_layer_ids if lo <= i < hi]
-        hashes = None
+        looked = []  # rows looked up by token id: the stage's Engram layers' (and the embedding's)
         if eng:
             hashes = torch.cat([self.geometry_hashes(state, tokens[g.off:g.off + g.S * g.Q], g) for g in geos])
+            looked = [engram_lookup(self.W, i, hashes[:, cfg.engram_layer_ids.index(i)]) for i in eng]
+        if lo == 0:
+            looked.insert(0, self.embed_rows(tokens))
+        # none depends on the streams, so one collective reduces them all (Engram's would otherwise
+        # cost one world all-reduce per Engram layer on top of the embedding's)
+        looked = self.comm.lookups(looked)
+        eng_rows = dict(zip(eng, looked[1:] if lo == 0 else looked))
         taps = []
         if lo == 0:
-            h = ops.hc_expand(self.embed(tokens), cfg.hc_mult)
+            h = ops.hc_expand(looked[0], cfg.hc_mult)
             pre_mix = first_pre_mix(h)
         else:  # a later pipeline stage: the previous stage's full streams, pre-mix and taps so far
             n_in = sum(1 for t in cfg.dspark_target_layer_ids if t < lo) if want_taps else 0
@@ -223,8 +236,8 @@ class V41Model:
                 h, pre_mix = h[sp[0]:sp[1]], pre_mix[sp[0]:sp[1]]
             new_taps = []
             for i in range(lo, hi):
-                if i in cfg.engram_layer_ids:
-                    h = engram(self.W, cfg, i, h, hashes[:, cfg.engram_layer_ids.index(i)], self.comm)
+                if i in eng_rows:  # all rows were reduced: sequence parallel keeps this rank's
+                    h = engram_mix(self.W, cfg, i, h, eng_rows[i] if sp is None else eng_rows[i][sp[0]:sp[1]])
                 if want_taps and i in cfg.dspark_target_layer_ids:
                     new_taps.append(stream_mean(h))  # the attention input of a target layer, averaged over streams
                 cap = captures.setdefault(i, {}) if captures is not None else None

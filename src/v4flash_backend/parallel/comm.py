@@ -136,6 +136,18 @@ class DistComm:
         # the reduction covers all rows; sequence parallel keeps this rank's afterwards
         return self.sp_local(self.coll.all_reduce(v.contiguous(), self.sg))
 
+    def lookups(self, parts):
+        # One all-reduce of the parts laid end to end. Exact as the separate ones were: each element
+        # is reduced on its own, and in each at most one rank's term is nonzero (a vocab or Engram
+        # row lives on one rank, the others add zeros), so no summation order can round it; the
+        # buffer keeps the parts' dtype (concatenating two dtypes would promote one: refused).
+        if len(parts) < 2:
+            return [self.coll.all_reduce(p.contiguous(), self.sg) for p in parts]
+        if len({p.dtype for p in parts}) != 1:
+            raise TypeError(f"lookups of one collective share a dtype, got {[p.dtype for p in parts]}")
+        flat = self.coll.all_reduce(torch.cat([p.reshape(-1) for p in parts]), self.sg)
+        return [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
     def head(self, logits):
         parts = self.coll.all_gather(logits.contiguous(), self.sg)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]

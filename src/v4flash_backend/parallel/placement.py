@@ -264,7 +264,8 @@ def prefix_cache_lines(cfg: ModelConfig, world: int, used_gib: float, prefill_ch
 def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool = True,
                             pipeline: int = 1, stage: int = 0) -> dict:
     """{(group, op): calls} of one `V41Model.forward` over `segments` [(start, n)] at world size
-    `world`: embed + one MoE per layer + Engram layers on the world; wo_b per layer plus the
+    `world`: the row lookups by token id (embedding and the stage's Engram layers: one collective,
+    `DistComm.lookups`) + one MoE per layer on the world; wo_b per layer plus the
     indexer once per segment that reaches a compressed group, on the attention group. With
     `pipeline` stages: stage `stage`'s layers, its in-stage collectives on group 'stage', and the
     boundary messages on 'pp' (a receive unless first, a send unless last)."""
@@ -284,7 +285,8 @@ def collectives_per_forward(cfg: ModelConfig, world: int, segments, logits: bool
     wg = "stage" if pipeline > 1 else "world"
     index_calls = sum(1 for i in cfg.index_source_layers if lo <= i < hi for start, n in segments
                       if (start + n) // cfg.compress_ratios[i] > 0)
-    out[(wg, "all_reduce")] = int(first) + (hi - lo) + sum(1 for i in cfg.engram_layer_ids if lo <= i < hi)
+    lookups = first or any(lo <= i < hi for i in cfg.engram_layer_ids)
+    out[(wg, "all_reduce")] = int(lookups) + (hi - lo)
     out[("attn", "all_reduce")] = (hi - lo) + index_calls
     if logits and last:
         out[(wg, "all_gather")] = 1
@@ -353,7 +355,7 @@ def report(cfg: ModelConfig, world: int, max_model_len: int, max_num_seqs: int, 
     n_idx = len(cfg.index_source_layers)
     lines += [
         f"collectives per decode step ({R} sequences, forward + DSpark draft): "
-        f"world all_reduce {w_ar} (embed 1, MoE {cfg.n_layers}, Engram {len(cfg.engram_layer_ids)}, "
+        f"world all_reduce {w_ar} (lookups 1: embed + {len(cfg.engram_layer_ids)} Engram layers; MoE {cfg.n_layers}; "
         f"draft {drf.get(('world', 'all_reduce'), 0)}); attention-group all_reduce {g_ar} (wo_b {cfg.n_layers}, "
         f"indexer {n_idx}x{R}, draft {drf.get(('attn', 'all_reduce'), 0)}); world all_gather "
         f"{step.get(('world', 'all_gather'), 0)} (logits) ; plus one step-plan broadcast per runner call",
