@@ -48,9 +48,14 @@ class DynSlice:
         return f"ds({self.start}, {self.size})"
 
 
+# Bound on the per-storage caches below (a kernel slicing one big tensor at many offsets must not grow them
+# without limit); past it the cache is emptied and refilled.
+_CACHE_MAX = 4096
+
+
 class Storage:
     __slots__ = ("data", "written", "buffer", "name", "shape", "pstride", "full", "views", "owner", "mm",
-                 "__weakref__")
+                 "vcache", "ok", "__weakref__")
 
     def __init__(self, data, written, buffer, name, shape, full):
         self.data, self.written, self.buffer, self.name, self.shape = data, written, buffer, name, shape
@@ -60,6 +65,13 @@ class Storage:
         self.owner = None  # shared_hbm: program id that wrote each element (race detector, _rules R11)
         # PSUM: element last written by a matmul (True) or by another instruction (False) (_rules R10)
         self.mm = np.zeros(len(data), np.bool_) if buffer is psum else None
+        # The simulator's cost on small tiles is per-instruction Python overhead, dominated by building the
+        # same NumPy views over and over (kernels re-slice one tile identically in every loop iteration).
+        # vcache: (kind, view geometry) -> the NumPy view (kind: a dtype, or "w" / "mm" for the masks);
+        # ok: geometries whose elements are all written. `written` only ever turns True, so an entry of
+        # `ok` never goes stale, and a write into such a region needs no mask update.
+        self.vcache = {}
+        self.ok = set()
 
     def typed(self, dt):
         v = self.views.get(dt)
@@ -75,9 +87,14 @@ def _sentinel(n, dt):
     nan_ok = _NAN_OK.get(dt)
     if nan_ok is None:
         nan_ok = _NAN_OK[dt] = not D.is_int(dt) and bool(np.isnan(np.array([np.nan], np.float32).astype(dt))[0])
+    # np.empty + fill: the same bytes as np.full at a fraction of its Python overhead (one per allocation)
     if nan_ok:
-        return np.full(n, np.nan, dt)
-    return np.full(n * dt.itemsize, 0x5A, np.uint8).view(dt)
+        a = np.empty(n, dt)
+        a.fill(np.nan)
+        return a
+    a = np.empty(n * dt.itemsize, np.uint8)
+    a.fill(0x5A)
+    return a.view(dt)
 
 
 def allocate(shape, dtype, buffer, name=""):
@@ -99,7 +116,10 @@ def allocate(shape, dtype, buffer, name=""):
     # Fresh memory is garbage on the device: it is filled with a sentinel (NaN / 0x5A bytes, as the official
     # simulator does) and, stricter, every read is checked against the `written` mask.
     st = Storage(_sentinel(n, dt), np.zeros(n, np.bool_), buffer, name, shape, False)
-    return SimTensor(st, dt, shape, _contig_strides(shape), 0, True)
+    # the whole contiguous storage, its shape checked above: a valid view, no _validate needed
+    t = SimTensor._sub(st, dt, shape, _contig_strides(shape), 0)
+    t._base = True
+    return t
 
 
 def wrap_array(arr, buffer, name=""):
@@ -124,18 +144,22 @@ class SimTensor:
     """An nl.ndarray (or a view of one). Only zero-copy view operations are defined; all data movement and
     math goes through nki.isa instructions."""
 
-    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base")
+    # _geo: (shape, strides, offset), the key of the view in its storage's caches
+    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base", "_geo")
 
     def __init__(self, st, dtype, shape, strides, offset, base=False):
         self._st, self.dtype, self.shape, self.strides, self.offset, self._base = (
             st, dtype, tuple(shape), tuple(strides), int(offset), base)
+        self._geo = (self.shape, self.strides, self.offset)
         self._validate()
 
     @classmethod
     def _sub(cls, st, dtype, shape, strides, offset):
         """A view derived by in-range slicing of a valid view: valid by construction, no re-check."""
         t = object.__new__(cls)
-        t._st, t.dtype, t.shape, t.strides, t.offset, t._base = st, dtype, tuple(shape), tuple(strides), offset, False
+        shape, strides = tuple(shape), tuple(strides)
+        t._st, t.dtype, t.shape, t.strides, t.offset, t._base = st, dtype, shape, strides, offset, False
+        t._geo = (shape, strides, offset)
         return t
 
     # ---- properties -------------------------------------------------------------------------------
@@ -194,26 +218,57 @@ class SimTensor:
 
     def pstart(self):
         """First partition of an on-chip view."""
-        return self.offset // self._pstride()
+        return self.offset // self._st.pstride
 
     # ---- NumPy views (simulator internals) -------------------------------------------------------
     def _view(self, base):
         isz = base.itemsize
         return np.ndarray(self.shape, base.dtype, base, self.offset * isz, [s * isz for s in self.strides])
 
+    def _cached(self, kind, base):
+        """The view of `base` (an array the storage owns) for this geometry, built once per storage. The
+        callers only index-assign into it or derive new arrays from it, so sharing it is safe."""
+        cache = self._st.vcache
+        key = (kind, self._geo)
+        v = cache.get(key)
+        if v is None:
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            v = cache[key] = self._view(base)
+        return v
+
     def _data(self):
-        return self._view(self._st.typed(self.dtype))
+        return self._cached(self.dtype, self._st.typed(self.dtype))
 
     def _mask(self):
-        return self._view(self._st.written)
+        return self._cached("w", self._st.written)
+
+    def _mm(self):
+        """PSUM: the view of the written-by-a-matmul mask (_rules R10)."""
+        return self._cached("mm", self._st.mm)
+
+    def _mark_written(self):
+        st = self._st
+        if st.full or self._geo in st.ok:
+            return  # every element is already marked
+        self._mask()[...] = True
+        self._note_ok()
+
+    def _note_ok(self):
+        ok = self._st.ok
+        if len(ok) >= _CACHE_MAX:
+            ok.clear()
+        ok.add(self._geo)
 
     def _all_written(self):
         st = self._st
-        if st.full:
+        if st.full or self._geo in st.ok:
             return True
         if self._mask().all():
             if st.written.all():
                 st.full = True
+            else:
+                self._note_ok()
             return True
         return False
 
@@ -238,10 +293,22 @@ class SimTensor:
         for k, n, s in zip(key, self.shape, self.strides):
             tk = type(k)
             if tk is slice:
+                # kernels slice with plain ints (a[0:m], a[:, i:i + 1]): skip int() for those
                 start, stop, step = k.start, k.stop, k.step
-                start = 0 if start is None else int(start)
-                stop = n if stop is None else int(stop)
-                step = 1 if step is None else int(step)
+                if type(start) is not int:
+                    start = 0 if start is None else int(start)
+                if type(stop) is not int:
+                    stop = n if stop is None else int(stop)
+                if step is None:
+                    if 0 <= start < stop <= n:  # the common case: a unit-step slice in range
+                        shape.append(stop - start)
+                        off += start * s
+                        strides.append(s)
+                        dim += 1
+                        continue
+                    step = 1
+                else:
+                    step = int(step)
             elif tk is DynSlice:
                 start, stop, step = k.start, k.start + k.size, 1
             elif isinstance(k, (int, np.integer)):
