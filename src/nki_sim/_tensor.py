@@ -51,6 +51,8 @@ class DynSlice:
 # Bound on the per-storage caches below (a kernel slicing one big tensor at many offsets must not grow them
 # without limit); past it the cache is emptied and refilled.
 _CACHE_MAX = 4096
+# (shape, strides, new shape) -> (shape, strides) of the no-copy reshape: NumPy's stride arithmetic, once
+_RESHAPED = {}
 
 
 class Storage:
@@ -98,12 +100,12 @@ def _sentinel(n, dt):
 
 
 def allocate(shape, dtype, buffer, name=""):
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     dt = D.normalize(dtype)
     RU.check_dtype(dt, f"tensor {name!r}")
     if not isinstance(buffer, Buffer):
         raise SimError(f"unknown buffer {buffer!r}")
-    if any(s <= 0 for s in shape) or not shape:
+    if not shape or min(shape) <= 0:
         raise SimError(f"tensor {name!r}: shape {shape} must be non-empty with positive sizes")
     if buffer.on_chip:
         if shape[0] > PMAX:
@@ -225,27 +227,28 @@ class SimTensor:
         isz = base.itemsize
         return np.ndarray(self.shape, base.dtype, base, self.offset * isz, [s * isz for s in self.strides])
 
-    def _cached(self, kind, base):
-        """The view of `base` (an array the storage owns) for this geometry, built once per storage. The
-        callers only index-assign into it or derive new arrays from it, so sharing it is safe."""
+    # _data / _mask / _mm: the view of an array the storage owns for this geometry, built once per storage
+    # (Storage.vcache). The callers only index-assign into it or derive new arrays from it, so sharing it
+    # is safe.
+    def _cache_view(self, kind, base):
         cache = self._st.vcache
-        key = (kind, self._geo)
-        v = cache.get(key)
-        if v is None:
-            if len(cache) >= _CACHE_MAX:
-                cache.clear()
-            v = cache[key] = self._view(base)
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+        v = cache[(kind, self._geo)] = self._view(base)
         return v
 
     def _data(self):
-        return self._cached(self.dtype, self._st.typed(self.dtype))
+        v = self._st.vcache.get((self.dtype, self._geo))
+        return self._cache_view(self.dtype, self._st.typed(self.dtype)) if v is None else v
 
     def _mask(self):
-        return self._cached("w", self._st.written)
+        v = self._st.vcache.get(("w", self._geo))
+        return self._cache_view("w", self._st.written) if v is None else v
 
     def _mm(self):
         """PSUM: the view of the written-by-a-matmul mask (_rules R10)."""
-        return self._cached("mm", self._st.mm)
+        v = self._st.vcache.get(("mm", self._geo))
+        return self._cache_view("mm", self._st.mm) if v is None else v
 
     def _mark_written(self):
         st = self._st
@@ -340,12 +343,22 @@ class SimTensor:
         new_shape = tuple(int(s) for s in (new_shape if new_shape is not None else shape))
         if self.buffer.on_chip and new_shape[0] != self.shape[0]:
             raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} would move the partition dim")
-        v = self._mask().view()
-        try:
-            v.shape = new_shape
-        except (AttributeError, ValueError) as e:
-            raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} needs a copy") from e
-        return self._derive(v.shape, tuple(s // v.itemsize for s in v.strides), self.offset, base=self._base)
+        key = (self.shape, self.strides, new_shape)
+        geo = _RESHAPED.get(key)
+        if geo is None:
+            v = self._mask().view()
+            try:
+                v.shape = new_shape
+            except (AttributeError, ValueError) as e:
+                raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} needs a copy") from e
+            if len(_RESHAPED) >= _CACHE_MAX:
+                _RESHAPED.clear()
+            geo = _RESHAPED[key] = (v.shape, tuple(s // v.itemsize for s in v.strides))
+        # a no-copy reshape keeping the partition dim covers the same elements, row by row, as this valid
+        # view, so the result is valid too (no _validate)
+        t = SimTensor._sub(self._st, self.dtype, geo[0], geo[1], self.offset)
+        t._base = self._base
+        return t
 
     def view(self, dtype):
         dt = D.normalize(dtype)
@@ -369,7 +382,10 @@ class SimTensor:
             raise SimError(f"{self.name!r}: on-chip partition broadcast is not a view (use DMA or a matmul)")
         shape, strides = list(self.shape), list(self.strides)
         shape[dim], strides[dim] = int(size), 0
-        return self._derive(shape, strides, self.offset)
+        if shape[dim] < 1:
+            return self._derive(shape, strides, self.offset)  # _validate names the empty view
+        # stride 0 on a size-1 free dim adds no element to this valid view: valid without _validate
+        return SimTensor._sub(self._st, self.dtype, shape, strides, self.offset)
 
     def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         """Explicit access pattern [[step, num], ...] over the flattened tensor (outermost first)."""
