@@ -156,7 +156,12 @@ def _pick(options, requested):
     led = _ledger()
     if led is None:
         return options[0]
-    return min(options, key=lambda e: (led.engine_ns(e), options.index(e)))
+    best, best_ns = options[0], led.engine_ns(options[0])
+    for e in options[1:]:  # the first of the least busy, as min() by (ns, position) would pick
+        ns = led.engine_ns(e)
+        if ns < best_ns:
+            best, best_ns = e, ns
+    return best
 
 
 def _n(t):

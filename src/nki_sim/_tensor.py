@@ -146,13 +146,15 @@ class SimTensor:
     """An nl.ndarray (or a view of one). Only zero-copy view operations are defined; all data movement and
     math goes through nki.isa instructions."""
 
-    # _geo: (shape, strides, offset), the key of the view in its storage's caches
-    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base", "_geo")
+    # _geo: (shape, strides, offset), the key of the view in its storage's caches; _dv / _wv: this tensor's
+    # data / written-mask views once asked for (a tile object is often an operand of several instructions)
+    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base", "_geo", "_dv", "_wv")
 
     def __init__(self, st, dtype, shape, strides, offset, base=False):
         self._st, self.dtype, self.shape, self.strides, self.offset, self._base = (
             st, dtype, tuple(shape), tuple(strides), int(offset), base)
         self._geo = (self.shape, self.strides, self.offset)
+        self._dv = self._wv = None
         self._validate()
 
     @classmethod
@@ -162,6 +164,7 @@ class SimTensor:
         shape, strides = tuple(shape), tuple(strides)
         t._st, t.dtype, t.shape, t.strides, t.offset, t._base = st, dtype, shape, strides, offset, False
         t._geo = (shape, strides, offset)
+        t._dv = t._wv = None
         return t
 
     # ---- properties -------------------------------------------------------------------------------
@@ -238,12 +241,22 @@ class SimTensor:
         return v
 
     def _data(self):
-        v = self._st.vcache.get((self.dtype, self._geo))
-        return self._cache_view(self.dtype, self._st.typed(self.dtype)) if v is None else v
+        v = self._dv
+        if v is None:
+            v = self._st.vcache.get((self.dtype, self._geo))
+            if v is None:
+                v = self._cache_view(self.dtype, self._st.typed(self.dtype))
+            self._dv = v
+        return v
 
     def _mask(self):
-        v = self._st.vcache.get(("w", self._geo))
-        return self._cache_view("w", self._st.written) if v is None else v
+        v = self._wv
+        if v is None:
+            v = self._st.vcache.get(("w", self._geo))
+            if v is None:
+                v = self._cache_view("w", self._st.written)
+            self._wv = v
+        return v
 
     def _mm(self):
         """PSUM: the view of the written-by-a-matmul mask (_rules R10)."""
@@ -280,6 +293,11 @@ class SimTensor:
         return SimTensor(self._st, self.dtype if dtype is None else dtype, shape, strides, offset, base)
 
     def __getitem__(self, key):
+        if type(key) is slice and key.step is None:  # t[a:b] on the leading dim, the most common index
+            start, stop = key.start, key.stop
+            if type(start) is int and type(stop) is int and 0 <= start < stop <= self.shape[0]:
+                return SimTensor._sub(self._st, self.dtype, (stop - start,) + self.shape[1:], self.strides,
+                                      self.offset + start * self.strides[0])
         if not isinstance(key, tuple):
             key = (key,)
         ndim = len(self.shape)
