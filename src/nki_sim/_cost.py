@@ -21,6 +21,7 @@ import math
 
 from . import _dtypes as D
 from . import _runtime as R
+from ._tensor import SimTensor, psum
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd")
 MIN_II = 64  # engine cycles
@@ -157,15 +158,23 @@ def _pick(options, requested):
     led = _ledger()
     if led is None:
         return options[0]
-    return min(options, key=lambda e: (led.engine_ns(e), options.index(e)))
+    best, best_ns = options[0], led.engine_ns(options[0])
+    for e in options[1:]:  # the first of the least busy, as min() by (ns, position) would pick
+        ns = led.engine_ns(e)
+        if ns < best_ns:
+            best, best_ns = e, ns
+    return best
 
 
 def _n(t):
     return math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
 
 
+_DT16 = frozenset((D.bfloat16, D.float16))
+
+
 def _is16(t):
-    return getattr(t, "dtype", None) in (D.bfloat16, D.float16)
+    return getattr(t, "dtype", None) in _DT16
 
 
 def _contig(t):
@@ -173,6 +182,8 @@ def _contig(t):
 
 
 def _in_psum(t):
+    if type(t) is SimTensor:  # the common case, without the getattr chain
+        return t._st.buffer is psum
     return getattr(getattr(t, "buffer", None), "name", "") == "psum"
 
 
@@ -221,7 +232,8 @@ def tensor_copy(dst, src, engine=None, name=None):
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     n = _n(data1)
     one_psum = _in_psum(data1) != _in_psum(data2)
-    fast = (all(_is16(t) and t.dtype == D.bfloat16 for t in (dst, data1, data2)) and not one_psum
+    bf16 = D.bfloat16
+    fast = (dst.dtype == bf16 and data1.dtype == bf16 and data2.dtype == bf16 and not one_psum
             and op.name in ("add", "multiply", "subtract") and _contig(data1) and _contig(data2))
     _charge("vector", _floor(n if (one_psum or fast) else 2 * n))
 

@@ -171,7 +171,7 @@ def check_start_partition(t, instr: str) -> None:
     if t is None or not t.buffer.on_chip:
         return
     p, s = t.shape[0], t.pstart()
-    if s not in allowed_starts(p):
+    if s and s not in allowed_starts(p):  # partition 0 starts an access of any size
         raise SimError(f"{instr}: {t.name!r} accesses {p} partitions from partition {s}; compute engines start a "
                        f"{p}-partition access only at {'/'.join(map(str, allowed_starts(p)))} (start_partition rule)")
 
@@ -251,6 +251,9 @@ class Footprint:
         self.psum_banks = 0
         self.peak_sbuf = 0
         self.peak_psum_banks = 0
+        # weakref -> (buffer name, amount) of every live tile; a plain weakref with a callback costs a tenth
+        # of a weakref.finalize, and kernels allocate a tile every few instructions
+        self._live = {}
 
     def add(self, storage, buffer_name: str, per_partition_bytes: int, name: str) -> None:
         if buffer_name == "sbuf":
@@ -260,7 +263,7 @@ class Footprint:
                 raise SimError(f"SBUF overflow allocating {name!r}: {used} live bytes per partition exceed the "
                                f"{SBUF_USABLE} usable ({SBUF_PHYSICAL[target()]} physical) on {target()}")
             self.peak_sbuf = max(self.peak_sbuf, self.sbuf)
-            weakref.finalize(storage, self._free_sbuf, per_partition_bytes)
+            self._live[weakref.ref(storage, self._died)] = ("sbuf", per_partition_bytes)
         else:
             banks = psum_banks_of(per_partition_bytes)
             self.psum_banks += banks
@@ -269,13 +272,14 @@ class Footprint:
                 raise SimError(f"PSUM overflow allocating {name!r}: {used} live banks exceed the {PSUM_BANKS} banks "
                                f"of {PSUM_BANK_BYTES} bytes per partition")
             self.peak_psum_banks = max(self.peak_psum_banks, self.psum_banks)
-            weakref.finalize(storage, self._free_psum, banks)
+            self._live[weakref.ref(storage, self._died)] = ("psum", banks)
 
-    def _free_sbuf(self, n):
-        self.sbuf -= n
-
-    def _free_psum(self, n):
-        self.psum_banks -= n
+    def _died(self, ref):
+        kind, n = self._live.pop(ref)
+        if kind == "sbuf":
+            self.sbuf -= n
+        else:
+            self.psum_banks -= n
 
 
 # ---- R9 grid -----------------------------------------------------------------------------------------------------

@@ -48,9 +48,16 @@ class DynSlice:
         return f"ds({self.start}, {self.size})"
 
 
+# Bound on the per-storage caches below (a kernel slicing one big tensor at many offsets must not grow them
+# without limit); past it the cache is emptied and refilled.
+_CACHE_MAX = 4096
+# (shape, strides, new shape) -> (shape, strides) of the no-copy reshape: NumPy's stride arithmetic, once
+_RESHAPED = {}
+
+
 class Storage:
     __slots__ = ("data", "written", "buffer", "name", "shape", "pstride", "full", "views", "owner", "mm",
-                 "__weakref__")
+                 "vcache", "ok", "__weakref__")
 
     def __init__(self, data, written, buffer, name, shape, full):
         self.data, self.written, self.buffer, self.name, self.shape = data, written, buffer, name, shape
@@ -60,6 +67,13 @@ class Storage:
         self.owner = None  # shared_hbm: program id that wrote each element (race detector, _rules R11)
         # PSUM: element last written by a matmul (True) or by another instruction (False) (_rules R10)
         self.mm = np.zeros(len(data), np.bool_) if buffer is psum else None
+        # The simulator's cost on small tiles is per-instruction Python overhead, dominated by building the
+        # same NumPy views over and over (kernels re-slice one tile identically in every loop iteration).
+        # vcache: (kind, view geometry) -> the NumPy view (kind: a dtype, or "w" / "mm" for the masks);
+        # ok: geometries whose elements are all written. `written` only ever turns True, so an entry of
+        # `ok` never goes stale, and a write into such a region needs no mask update.
+        self.vcache = {}
+        self.ok = set()
 
     def typed(self, dt):
         v = self.views.get(dt)
@@ -75,18 +89,23 @@ def _sentinel(n, dt):
     nan_ok = _NAN_OK.get(dt)
     if nan_ok is None:
         nan_ok = _NAN_OK[dt] = not D.is_int(dt) and bool(np.isnan(np.array([np.nan], np.float32).astype(dt))[0])
+    # np.empty + fill: the same bytes as np.full at a fraction of its Python overhead (one per allocation)
     if nan_ok:
-        return np.full(n, np.nan, dt)
-    return np.full(n * dt.itemsize, 0x5A, np.uint8).view(dt)
+        a = np.empty(n, dt)
+        a.fill(np.nan)
+        return a
+    a = np.empty(n * dt.itemsize, np.uint8)
+    a.fill(0x5A)
+    return a.view(dt)
 
 
 def allocate(shape, dtype, buffer, name=""):
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     dt = D.normalize(dtype)
     RU.check_dtype(dt, f"tensor {name!r}")
     if not isinstance(buffer, Buffer):
         raise SimError(f"unknown buffer {buffer!r}")
-    if any(s <= 0 for s in shape) or not shape:
+    if not shape or min(shape) <= 0:
         raise SimError(f"tensor {name!r}: shape {shape} must be non-empty with positive sizes")
     if buffer.on_chip:
         if shape[0] > PMAX:
@@ -99,7 +118,10 @@ def allocate(shape, dtype, buffer, name=""):
     # Fresh memory is garbage on the device: it is filled with a sentinel (NaN / 0x5A bytes, as the official
     # simulator does) and, stricter, every read is checked against the `written` mask.
     st = Storage(_sentinel(n, dt), np.zeros(n, np.bool_), buffer, name, shape, False)
-    return SimTensor(st, dt, shape, _contig_strides(shape), 0, True)
+    # the whole contiguous storage, its shape checked above: a valid view, no _validate needed
+    t = SimTensor._sub(st, dt, shape, _contig_strides(shape), 0)
+    t._base = True
+    return t
 
 
 def wrap_array(arr, buffer, name=""):
@@ -124,18 +146,25 @@ class SimTensor:
     """An nl.ndarray (or a view of one). Only zero-copy view operations are defined; all data movement and
     math goes through nki.isa instructions."""
 
-    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base")
+    # _geo: (shape, strides, offset), the key of the view in its storage's caches; _dv / _wv: this tensor's
+    # data / written-mask views once asked for (a tile object is often an operand of several instructions)
+    __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_base", "_geo", "_dv", "_wv")
 
     def __init__(self, st, dtype, shape, strides, offset, base=False):
         self._st, self.dtype, self.shape, self.strides, self.offset, self._base = (
             st, dtype, tuple(shape), tuple(strides), int(offset), base)
+        self._geo = (self.shape, self.strides, self.offset)
+        self._dv = self._wv = None
         self._validate()
 
     @classmethod
     def _sub(cls, st, dtype, shape, strides, offset):
         """A view derived by in-range slicing of a valid view: valid by construction, no re-check."""
         t = object.__new__(cls)
-        t._st, t.dtype, t.shape, t.strides, t.offset, t._base = st, dtype, tuple(shape), tuple(strides), offset, False
+        shape, strides = tuple(shape), tuple(strides)
+        t._st, t.dtype, t.shape, t.strides, t.offset, t._base = st, dtype, shape, strides, offset, False
+        t._geo = (shape, strides, offset)
+        t._dv = t._wv = None
         return t
 
     # ---- properties -------------------------------------------------------------------------------
@@ -194,26 +223,68 @@ class SimTensor:
 
     def pstart(self):
         """First partition of an on-chip view."""
-        return self.offset // self._pstride()
+        return self.offset // self._st.pstride
 
     # ---- NumPy views (simulator internals) -------------------------------------------------------
     def _view(self, base):
         isz = base.itemsize
         return np.ndarray(self.shape, base.dtype, base, self.offset * isz, [s * isz for s in self.strides])
 
+    # _data / _mask / _mm: the view of an array the storage owns for this geometry, built once per storage
+    # (Storage.vcache). The callers only index-assign into it or derive new arrays from it, so sharing it
+    # is safe.
+    def _cache_view(self, kind, base):
+        cache = self._st.vcache
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+        v = cache[(kind, self._geo)] = self._view(base)
+        return v
+
     def _data(self):
-        return self._view(self._st.typed(self.dtype))
+        v = self._dv
+        if v is None:
+            v = self._st.vcache.get((self.dtype, self._geo))
+            if v is None:
+                v = self._cache_view(self.dtype, self._st.typed(self.dtype))
+            self._dv = v
+        return v
 
     def _mask(self):
-        return self._view(self._st.written)
+        v = self._wv
+        if v is None:
+            v = self._st.vcache.get(("w", self._geo))
+            if v is None:
+                v = self._cache_view("w", self._st.written)
+            self._wv = v
+        return v
+
+    def _mm(self):
+        """PSUM: the view of the written-by-a-matmul mask (_rules R10)."""
+        v = self._st.vcache.get(("mm", self._geo))
+        return self._cache_view("mm", self._st.mm) if v is None else v
+
+    def _mark_written(self):
+        st = self._st
+        if st.full or self._geo in st.ok:
+            return  # every element is already marked
+        self._mask()[...] = True
+        self._note_ok()
+
+    def _note_ok(self):
+        ok = self._st.ok
+        if len(ok) >= _CACHE_MAX:
+            ok.clear()
+        ok.add(self._geo)
 
     def _all_written(self):
         st = self._st
-        if st.full:
+        if st.full or self._geo in st.ok:
             return True
         if self._mask().all():
             if st.written.all():
                 st.full = True
+            else:
+                self._note_ok()
             return True
         return False
 
@@ -222,6 +293,11 @@ class SimTensor:
         return SimTensor(self._st, self.dtype if dtype is None else dtype, shape, strides, offset, base)
 
     def __getitem__(self, key):
+        if type(key) is slice and key.step is None:  # t[a:b] on the leading dim, the most common index
+            start, stop = key.start, key.stop
+            if type(start) is int and type(stop) is int and 0 <= start < stop <= self.shape[0]:
+                return SimTensor._sub(self._st, self.dtype, (stop - start,) + self.shape[1:], self.strides,
+                                      self.offset + start * self.strides[0])
         if not isinstance(key, tuple):
             key = (key,)
         ndim = len(self.shape)
@@ -238,10 +314,22 @@ class SimTensor:
         for k, n, s in zip(key, self.shape, self.strides):
             tk = type(k)
             if tk is slice:
+                # kernels slice with plain ints (a[0:m], a[:, i:i + 1]): skip int() for those
                 start, stop, step = k.start, k.stop, k.step
-                start = 0 if start is None else int(start)
-                stop = n if stop is None else int(stop)
-                step = 1 if step is None else int(step)
+                if type(start) is not int:
+                    start = 0 if start is None else int(start)
+                if type(stop) is not int:
+                    stop = n if stop is None else int(stop)
+                if step is None:
+                    if 0 <= start < stop <= n:  # the common case: a unit-step slice in range
+                        shape.append(stop - start)
+                        off += start * s
+                        strides.append(s)
+                        dim += 1
+                        continue
+                    step = 1
+                else:
+                    step = int(step)
             elif tk is DynSlice:
                 start, stop, step = k.start, k.start + k.size, 1
             elif isinstance(k, (int, np.integer)):
@@ -273,12 +361,22 @@ class SimTensor:
         new_shape = tuple(int(s) for s in (new_shape if new_shape is not None else shape))
         if self.buffer.on_chip and new_shape[0] != self.shape[0]:
             raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} would move the partition dim")
-        v = self._mask().view()
-        try:
-            v.shape = new_shape
-        except (AttributeError, ValueError) as e:
-            raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} needs a copy") from e
-        return self._derive(v.shape, tuple(s // v.itemsize for s in v.strides), self.offset, base=self._base)
+        key = (self.shape, self.strides, new_shape)
+        geo = _RESHAPED.get(key)
+        if geo is None:
+            v = self._mask().view()
+            try:
+                v.shape = new_shape
+            except (AttributeError, ValueError) as e:
+                raise SimError(f"{self.name!r}: reshape {self.shape}->{new_shape} needs a copy") from e
+            if len(_RESHAPED) >= _CACHE_MAX:
+                _RESHAPED.clear()
+            geo = _RESHAPED[key] = (v.shape, tuple(s // v.itemsize for s in v.strides))
+        # a no-copy reshape keeping the partition dim covers the same elements, row by row, as this valid
+        # view, so the result is valid too (no _validate)
+        t = SimTensor._sub(self._st, self.dtype, geo[0], geo[1], self.offset)
+        t._base = self._base
+        return t
 
     def view(self, dtype):
         dt = D.normalize(dtype)
@@ -302,7 +400,10 @@ class SimTensor:
             raise SimError(f"{self.name!r}: on-chip partition broadcast is not a view (use DMA or a matmul)")
         shape, strides = list(self.shape), list(self.strides)
         shape[dim], strides[dim] = int(size), 0
-        return self._derive(shape, strides, self.offset)
+        if shape[dim] < 1:
+            return self._derive(shape, strides, self.offset)  # _validate names the empty view
+        # stride 0 on a size-1 free dim adds no element to this valid view: valid without _validate
+        return SimTensor._sub(self._st, self.dtype, shape, strides, self.offset)
 
     def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         """Explicit access pattern [[step, num], ...] over the flattened tensor (outermost first)."""

@@ -80,8 +80,9 @@ def _tensor(x, what):
 
 
 def _on_chip(x, what):
-    _tensor(x, what)
-    if not x.buffer.on_chip:
+    if type(x) is not SimTensor:  # the exact-type test is the fast path; isinstance covers the rest
+        _tensor(x, what)
+    if not x._st.buffer.on_chip:
         raise SimError(f"{what} must be in SBUF or PSUM, not {x.buffer}")
     return x
 
@@ -93,7 +94,7 @@ def _free(t):
 def _read(t):
     if not t._all_written():
         raise SimError(f"read of never-written memory in {t.name!r} {t.shape}")
-    if t.buffer is shared_hbm:
+    if t._st.buffer is shared_hbm:
         RU.check_shared_read(t, R.current().pid)
     return t._data()
 
@@ -103,24 +104,26 @@ def _f32_2d(t):
 
 
 def _write(t, vals):
-    if any(s == 0 and n > 1 for s, n in zip(t.strides, t.shape)):
+    if 0 in t.strides and any(s == 0 and n > 1 for s, n in zip(t.strides, t.shape)):
         raise SimError(f"destination {t.name!r} is a broadcast view")
-    if t.buffer is shared_hbm:
+    if t._st.buffer is shared_hbm:
         RU.check_shared_write(t, R.current().pid)
     t._data()[...] = np.asarray(vals).reshape(t.shape)
-    t._mask()[...] = True
+    t._mark_written()
     if t._st.mm is not None:
-        t._view(t._st.mm)[...] = False  # PSUM now holds a non-matmul value (R10)
+        t._mm()[...] = False  # PSUM now holds a non-matmul value (R10)
 
 
-def _store(dst, vals_f32):
-    _write(dst, D.from_f32(np.asarray(vals_f32, np.float32), dst.dtype))
+def _store(dst, vals_f32):  # an fp32 dst takes the values as they are: from_f32 would only copy them
+    v = np.asarray(vals_f32, np.float32)
+    _write(dst, v if dst.dtype == D.float32 else D.from_f32(v, dst.dtype))
 
 
 def _engine(instr, *tensors):
     """Start-partition rule (R5) for every on-chip access of a Vector / Scalar / GpSimd instruction."""
     for t in tensors:
-        if isinstance(t, SimTensor):
+        # an access from partition 0 (offset inside the first partition) passes for any size: no call
+        if isinstance(t, SimTensor) and t.offset >= t._st.pstride:
             RU.check_start_partition(t, instr)
 
 
@@ -280,7 +283,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     res = _DL.matmul(a, b) if _DL.active() else (a.astype(np.float64).T @ b.astype(np.float64)).astype(np.float32)
     res = res.reshape(dst.shape)
     mask = dst._mask()
-    mm = dst._view(dst._st.mm)
+    mm = dst._mm()
     RU.check_accumulate(accumulate, mask, mm, dst.name)
     if accumulate is True:
         res = dst._data() + res
@@ -304,7 +307,7 @@ def _pe_transpose(dst, data, tile_position=(), tile_size=()):
     RU.check_pe_placement(p, data.pstart(), f, dst.pstart(), tile_position, tile_size, "Tensor Engine transpose")
     RU.check_psum_bank(dst, "Tensor Engine transpose")
     _write(dst, _read(data).reshape(p, f).T.copy())
-    dst._view(dst._st.mm)[...] = True  # a matmul-class write (bit-exact transpose through the PE array)
+    dst._mm()[...] = True  # a matmul-class write (bit-exact transpose through the PE array)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -345,9 +348,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     _same_free(dst, data1)
     _same_free(dst, data2)
     _check_op(op, "tensor_tensor")
-    ints = all(D.is_int(x.dtype) for x in (dst, data1, data2))
     if op.kind == "bitvec":  # bit patterns, exact
-        if not ints:
+        if not all(D.is_int(x.dtype) for x in (dst, data1, data2)):
             raise SimError(f"{op!r} needs integer tiles")
         p = dst.shape[0]
         _write(dst, _wrap(op.alu(_bits(data1, p), _bits(data2, p)), dst.dtype))
