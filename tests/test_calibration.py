@@ -143,7 +143,9 @@ def test_engine_feeds_the_head_the_predecessors_and_calibrates_online(tiny_model
     almost never accepted: online calibration must pull position 0's confidence towards 0."""
     from v4flash_backend.engine import dspark_accept as acc
 
-    eng = _engine(tiny_model, dspark_adaptive=True)
+    # step_cost_online off: the learner would replace the fixed cost below by this machine's timings
+    # (a fresh-clone run under load ended at verify_rows 47 against 37 + 10 admitted)
+    eng = _engine(tiny_model, dspark_adaptive=True, step_cost_online=False)
     eng._drafting_decision = lambda seqs: "draft"  # calibration alone (stepping aside: tests/test_step_cost.py)
     # a fixed step cost (20 ms + 4 ms a verify row, 10 ms of draft stages) instead of a profile timed
     # on this machine: on a loaded machine the profiled cost of a row came out near 0, so admission

@@ -383,13 +383,11 @@ def _engine_time_lines(rec: _OpRecorder, costs: dict) -> list[str]:
 
 # ---- the command ------------------------------------------------------------------------------------
 def _reached(kernel: str, cfg: ModelConfig, world: int, rows: int, log) -> bool:
-    """Whether the graphs this check traces can call `kernel`, asked of a kernel no recorded call reached
-    (`footprint.check_kernels` counts it unmeasured, not ok). The routed experts' kernel runs only where
-    the MoE takes its routed form, where its slots are fewer than a rank's experts
-    (`ffn.moe_capacity`, non-decreasing in the rows): from the traced graphs' fewest rows (`rows`) up,
-    at release (6 rows: 4 slots, 6 experts a rank) but not at the tiny configs' few experts, whose
-    routed form only the 1-row plain-decode graphs take (not traced here). Every other kernel is
-    reachable: unmeasured stays a failure."""
+    """Whether the traced graphs can call `kernel`, asked of a kernel no recorded call reached (unmeasured,
+    not ok). The routed experts' kernel runs where the MoE's slots (`ffn.moe_capacity`, non-decreasing in
+    the rows) are fewer than a rank's experts from the fewest traced `rows` up: at release (6 rows: 4 slots,
+    6 experts a rank), not at the tiny configs (only their untraced 1-row plain rounds route). Any other
+    unmeasured kernel stays a failure."""
     if kernel != "linear_fp4_routed_kernel":
         return True
     from v4flash_backend.model.ffn import moe_capacity
