@@ -48,14 +48,12 @@ SLOW_TEST_S = 60.0
 
 
 def pytest_collection_modifyitems(config, items):
-    cost: dict[str, float] = {}
+    cost: dict[str, float] = {}  # file -> estimated seconds, in the files' collection order
     for it in items:
-        cost[it.nodeid.split("::")[0]] = cost.get(it.nodeid.split("::")[0], 0.0) + (
-            SLOW_TEST_S if it.get_closest_marker("slow") else 1.0)
-    first = {}
-    for i, it in enumerate(items):
-        first.setdefault(it.nodeid.split("::")[0], i)
-    items.sort(key=lambda it: (-cost[it.nodeid.split("::")[0]], first[it.nodeid.split("::")[0]]))
+        f = it.path
+        cost[f] = cost.get(f, 0.0) + (SLOW_TEST_S if it.get_closest_marker("slow") else 1.0)
+    rank = {f: i for i, f in enumerate(cost)}
+    items.sort(key=lambda it: (-cost[it.path], rank[it.path]))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -214,7 +214,7 @@ def _complete(out: Path, exp: dict) -> list | None:
     if store.problems(exp) or not m.per_rank:
         return None
     keys = [key for _, key in m.per_rank]
-    if all(name in m.bindings for name, _ in m.per_rank) and all(k in m.graphs and store.has(k) for k in keys):
+    if all(name in m.bindings for name, _ in m.per_rank) and all(store.has(k) for k in keys):
         return keys
     return None
 

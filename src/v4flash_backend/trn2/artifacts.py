@@ -24,6 +24,7 @@ graph without one is traced and looked up by its key: one the manifest lacks is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,25 +57,21 @@ def versions() -> dict[str, str]:
     return out
 
 
-_SOURCE_DIGEST: list = []
-
-
+@functools.cache
 def source_digest() -> str:
     """A hash of the Python source of the packages whose code a graph is traced from (v4flash_backend,
     and nki_sim, which runs the kernels on the CPU stand-in): any edit there makes artifacts stale.
     Comments and docstrings count too (a cheap, conservative rule: a stale refusal costs a recompile,
     a stale load would serve another program). Computed once per process (~150 files)."""
-    if not _SOURCE_DIGEST:
-        import nki_sim
-        import v4flash_backend
+    import nki_sim
+    import v4flash_backend
 
-        h = hashlib.sha256()
-        for pkg in (v4flash_backend, nki_sim):
-            root = Path(pkg.__file__).parent
-            for f in sorted(root.rglob("*.py")):
-                h.update(str(f.relative_to(root.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
-        _SOURCE_DIGEST.append(h.hexdigest()[:16])
-    return _SOURCE_DIGEST[0]
+    h = hashlib.sha256()
+    for pkg in (v4flash_backend, nki_sim):
+        root = Path(pkg.__file__).parent
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def config_digest(cfg) -> str:
