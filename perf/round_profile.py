@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO / "perf"))
 from bench_dspark import default_checkpoint, fast_max_len, fast_runner, load_prompts  # noqa: E402
 
 from v4flash_backend import ops  # noqa: E402
+from v4flash_backend.engine.round_plan import STOP_WIDTH  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.ops import torch_ops  # noqa: E402
-from v4flash_backend.trn2.round_plan import STOP_WIDTH  # noqa: E402
 from v4flash_backend.trn2.static_step import Bucket  # noqa: E402
 
 ARGS = ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed", "rnd", "budget", "stop_ids")

@@ -57,3 +57,28 @@ def test_openai_overhead_ratios_are_medians_over_rounds():
     ttft, itl, spread = perf.ratio_summary(rounds)
     assert ttft == pytest.approx(1.1) and itl == pytest.approx(1.05)
     assert spread == "rounds=3 ttft_ratio min-max 1.000-1.250 itl_ratio min-max 1.000-1.200"
+
+
+# ---- every perf script's imports from the package resolve ---------------------------------------
+def test_perf_scripts_import_what_the_package_has():
+    """A perf script imports from the package at run time only, so a module moved in the package
+    (perf/round_profile.py once imported STOP_WIDTH from trn2.round_plan after it moved to engine/)
+    breaks the script unseen. Every `from v4flash_backend... import names` of every perf/ script must
+    name a module that imports and names it has."""
+    import ast
+    import importlib
+
+    missing = []
+    scripts = sorted((REPO / "perf").glob("*.py"))
+    assert len(scripts) > 10
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("v4flash_backend"):
+                try:
+                    mod = importlib.import_module(node.module)
+                except ImportError as e:
+                    missing.append(f"{path.name}: {node.module} ({e})")
+                    continue
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(mod, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert not missing, missing
