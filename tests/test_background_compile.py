@@ -273,8 +273,9 @@ def test_without_a_cpp_compiler_the_cpu_default_serves_eager_steps_and_says_why(
 
 
 def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_wants(tiny_model):
-    """Announced: per decode bucket (one context bound each) the plain-decode round, then the drafting
-    round, smallest first; a set a step waits for jumps the queue, one nobody announced joins it (the
+    """Announced: for the smallest decode bucket, then the largest (one context bound each), the
+    plain-decode round, then the drafting round; a round whose bucket is cold runs in a warm larger one
+    and asks for its own; a set a step waits for jumps the queue, one nobody announced joins it (the
     total grows), and a logit-processing variant a server without warm_processed never runs is left out.
     The engine asks for the plain-decode set on a round that steps aside and for the drafting set on a
     round that drafts: the same decision the round then takes (deciding after picking the set, or on
@@ -291,17 +292,27 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
     assert [(b.rows, b.ctx) for b in r.pgraphs.buckets] == [(16, 96), (32, 96)]
     w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
     b1, b2, b4 = r.buckets
-    assert w.jobs == [("plain", b1, False), ("round", b1, False), ("plain", b2, False), ("round", b2, False),
-                      ("plain", b4, False), ("round", b4, False)]
+    assert w.jobs == [("plain", b1, False), ("round", b1, False), ("plain", b4, False), ("round", b4, False)]
     r.ready, r.warming = set(), w  # (not started: the queue alone)
     r.counters["warmup_total"] = len(w.jobs)
-    assert not r.round_fits(2, 10, plain=False) and list(w._queue)[0] == ("round", b2, False)
-    assert not r.round_fits(1, 10, plain=True) and list(w._queue)[:2] == [("plain", b1, False), ("round", b2, False)]
+    assert not r.round_fits(4, 10, plain=False) and list(w._queue)[0] == ("round", b4, False)
+    assert not r.round_fits(1, 10, plain=True) and list(w._queue)[:2] == [("plain", b1, False), ("round", b4, False)]
     w.want(("prefill", r.pgraphs.buckets[0]))
-    assert list(w._queue)[0] == ("prefill", r.pgraphs.buckets[0]) and r.counters["warmup_total"] == 7
-    assert not r.round_fits(1, 10, processed=True) and r.counters["warmup_total"] == 7  # no processed variant here
+    assert list(w._queue)[0] == ("prefill", r.pgraphs.buckets[0]) and r.counters["warmup_total"] == 5
+    assert not r.round_fits(1, 10, processed=True) and r.counters["warmup_total"] == 5  # no processed variant here
     r.ready.add(("plain", b1, False))
     assert r.round_fits(1, 10, plain=True) and not r.round_fits(1, 10, plain=False) and not r.graphs_ready
+    # 2 sequences: b2 is not announced; while b4's round is cold, none holds it (an eager step), and b2
+    # joins the sets at the front of the queue
+    assert not r.round_fits(2, 10, plain=False) and r.counters["warmup_total"] == 6
+    assert list(w._queue)[0] == ("round", b2, False) and ("round", b2, False) in w.jobs
+    # b4's round warm: 2 sequences run padded in it, still asking for b2 (the plan's bucket is b4)
+    r.ready.add(("round", b4, False))
+    assert r.round_fits(2, 10, plain=False) and list(w._queue)[0] == ("round", b2, False)
+    assert r._round_bucket(2, 10, False, "round") == b4 and r._round_bucket(2, 10, False, "plain") is None
+    assert r._round_bucket(2, 200, False, "round") is None  # past every bucket's context
+    r.ready.add(("round", b2, False))
+    assert r._round_bucket(2, 10, False, "round") == b2
 
     # the engine's side: which set each round asks for
     asked = []

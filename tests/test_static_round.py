@@ -99,6 +99,23 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
 
 
+def test_a_round_whose_bucket_is_cold_runs_padded_in_a_warm_larger_one(tiny_model):
+    """While the background compile has warmed only the larger bucket's sets (trn2.warmup announces
+    the smallest and the largest), one sequence's rounds run in the 2-sequence graphs, padded, with
+    the eager engine's tokens; running them in the cold 1-sequence bucket instead fails here."""
+    want, _ = _run(LocalRunner(tiny_model, 3, 64), 0.8, "dspark")
+    sr = StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none"), ctx_buckets=False)
+    b1, b2 = sr.buckets
+    assert (b1.seqs, b2.seqs) == (1, 2)
+    sr.ready = {("round", b2, False), ("plain", b2, False)}  # b1 cold (a compile in progress)
+    used = []
+    run_round = sr.graphs.round
+    sr.graphs.round = lambda b, *a: used.append(b.seqs) or run_round(b, *a)
+    got, st = _run(sr, 0.8, "dspark")
+    assert got == want and st["static_steps"] == st["decode_steps"] >= 2
+    assert used and set(used) == {2}
+
+
 @pytest.mark.parametrize("sampling", [dict(top_k=3), dict(top_p=0.3)])
 def test_filtering_requests_take_the_processed_round(tiny_model, sampling, monkeypatch):
     """The plain round variant leaves the top-k / top-p filters out (static_round.stages_of): a

@@ -128,9 +128,9 @@ class Settings:
     graph_warmup: str = setting(
         "", "when a static server compiles its graphs: start (every bucket before it reports ready) or "
         "background (ready at once: eager steps serve while a thread compiles graph sets that take over as "
-        "they get warm -- per decode bucket, smallest first, its plain-decode round, then its drafting "
-        "round; logit-processing rounds, forward and prefill graphs when a step first needs them; one rank "
-        "only); empty: background on a one-rank CPU server whose "
+        "they get warm -- the smallest decode bucket's plain-decode round, then its drafting round, then the "
+        "largest bucket's; the buckets between, logit-processing rounds, forward and prefill graphs when a "
+        "step first needs them; one rank only); empty: background on a one-rank CPU server whose "
         "graph_backend compiles, else start", scope="group",
         choices=GRAPH_WARMUPS)
     resident_device: str = setting(

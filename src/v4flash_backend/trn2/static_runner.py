@@ -279,12 +279,21 @@ class StaticRunner(LocalRunner):
             b = pick_bucket(self.buckets, seqs, 1 + self.G, ctx_needed)
         except ValueError:
             return False
-        key = ("plain" if plain and self.ngraphs is not None else "round", b, processed)
-        if self._warm(*key):
+        kind = "plain" if plain and self.ngraphs is not None else "round"
+        if self._warm(kind, b, processed):
             return True
         if self.warming is not None:
-            self.warming.want(key)
-        return False
+            self.warming.want((kind, b, processed))
+        return self._round_bucket(seqs, ctx_needed, processed, kind) is not None
+
+    def _round_bucket(self, seqs: int, ctx_needed: int, processed: bool, kind: str) -> Bucket | None:
+        """The bucket a round runs in: the smallest that holds it (`pick_bucket`), or while the
+        background compile has not warmed that one, the smallest larger one whose set is warm (the
+        round padded with more padding sequences: a compiled round of the larger bucket is several
+        times faster than the eager step); None: none warm."""
+        fits = sorted((b for b in self.buckets if b.seqs >= seqs and b.rows >= 1 + self.G and b.ctx >= ctx_needed),
+                      key=lambda b: (b.seqs * b.rows, b.ctx))
+        return next((b for b in fits if self._warm(kind, b, processed)), None)
 
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""
@@ -305,7 +314,11 @@ class StaticRunner(LocalRunner):
 
     def round_inputs(self, plan: RoundPlan):
         """(bucket, inputs) of a round plan, padded to the bucket with padding sequences."""
-        b = pick_bucket(self.buckets, plan.size, 1 + self.G, max(a + 1 + e for a, e in zip(plan.start, plan.ell)))
+        ctx_needed = max(a + 1 + e for a, e in zip(plan.start, plan.ell))
+        b = pick_bucket(self.buckets, plan.size, 1 + self.G, ctx_needed)
+        kind = "plain" if self._plain(plan) else "round"
+        if not self._warm(kind, b, plan.processed):  # compiling in the background: a warm larger bucket
+            b = self._round_bucket(plan.size, ctx_needed, plan.processed, kind) or b
         self.decoder.check_plan(b, plan.slot, plan.start, [1 + e for e in plan.ell])
         if not plan.processed and filters_sampling(plan.temperature, plan.top_k, plan.top_p, self.cfg.vocab_size):
             raise ValueError("a round whose sampling filters (top-k / top-p) needs the processed round variant: "
@@ -322,6 +335,11 @@ class StaticRunner(LocalRunner):
         counts[slot] = torch.bincount(t, minlength=self.cfg.vocab_size).to(counts.dtype).to(counts.device)
         self._count(0, t.numel() * 8)
 
+    def _plain(self, plan: RoundPlan) -> bool:
+        """A round that neither verifies nor drafts: the bucket's plain-decode graph runs it."""
+        mode = plan.spec_mode if self.G else "off"
+        return mode == "off" and self.ngraphs is not None and all(e <= 0 for e in plan.ell)
+
     def decode_round(self, plan: RoundPlan) -> list[list[int]]:
         b, x = self.round_inputs(plan)
         mode = plan.spec_mode if self.G else "off"
@@ -332,7 +350,7 @@ class StaticRunner(LocalRunner):
         ctx = HostSyncCounter() if counting else _Null()
         spy = BoundarySpy(self.resident_tensors()) if os.environ.get("V4FLASH_BOUNDARY_SPY") == "1" else _Null()
         graphs, before = self.graphs, self.graphs.executions
-        if mode == "off" and self.ngraphs is not None and all(e <= 0 for e in plan.ell):
+        if self._plain(plan):
             # nothing to verify, nothing to draft: the bucket's plain-decode graph (1 row per sequence;
             # its read-back has G = 0 columns of drafts and confidences, which the host reads alike)
             graphs, before = self.ngraphs, self.ngraphs.executions

@@ -5,12 +5,13 @@ much less from inductor's FX graph cache. Compiled at start, a fresh clone's
 `make serve` would not be ready for many minutes. In the background it is ready at once: the
 serving thread runs eager steps (the op-by-op forward on the same caches: the same tokens under
 the exact numerics) while a thread compiles in sets that take over one by one once warm
-(`StaticRunner.ready`, read by `round_fits` and `forward_plan`): the announced sets, every decode
-bucket's plain-decode round (one graph) and drafting round (two), smallest first, one sequence first
-(what a first user sends); the other sets -- logit-processing variants, forward graphs, prefill
-buckets -- when a step first needs one, and a set a step waits for goes to the front of the queue
-(`want`). A server's background compile takes one context bucket per sequence count (group/build.py:
-every context bound its own graphs tripled the count).
+(`StaticRunner.ready`, read by `round_fits` and `forward_plan`): the announced sets, the plain-decode
+round (one graph) and the drafting round (two) of the smallest decode bucket (one sequence: what a
+first user sends), then of the largest (a batch whose own bucket is cold runs padded in it); the other
+sets -- the buckets between, logit-processing variants, forward graphs, prefill buckets -- when a step
+first needs one, and a set a step waits for goes to the front of the queue (`want`). A server's
+background compile takes one context bucket per sequence count (group/build.py: every context bound
+its own graphs tripled the count).
 
 What keeps the two threads apart:
 - the compiled graphs run under the runner's `graph_lock` (compile_step's `lock`), which the engine
@@ -158,14 +159,18 @@ class BackgroundWarmup:
         decode = sorted(runner.buckets, key=lambda b: (b.seqs, b.ctx))
         plain = nodraft and runner.ngraphs is not None  # rounds that neither verify nor draft: their own graph
         drafting = mode != "off" or runner.ngraphs is None
-        # the announced graph sets, compiled in this order (each usable once warm): per decode bucket,
-        # smallest first, the plain-decode round (one graph: what a round runs that steps aside or does
-        # not speculate; the first set a fresh server gets warm) and the drafting round (its verify and
-        # draft graphs). The logit-processing variants, the forward graphs (short segments of mixed
-        # steps) and the prefill buckets compile when a step first needs them (`want`): a cold graph
-        # takes minutes on a few cores, and a server that never sees a penalty, a log-prob request or
-        # a prompt of some length never pays for those graphs.
-        self.jobs = [k for b in decode for k in ([("plain", b, False)] if plain else [])
+        # the announced graph sets, compiled in this order (each usable once warm): for the fewest
+        # sequences, then for the most, the plain-decode round (one graph: what a round runs that steps
+        # aside or does not speculate; the first set a fresh server gets warm) and the drafting round
+        # (its verify and draft graphs). Once the largest bucket's sets are warm every batch has a
+        # compiled round: one whose own bucket is not warm yet runs padded in it (`round_fits`) and
+        # asks for its own. So the buckets between, the logit-processing variants, the forward graphs
+        # (short segments of mixed steps) and the prefill buckets compile when a step first needs them
+        # (`want`): a cold graph takes minutes on a few cores (~3 on this project's 2-core machine),
+        # and a server that never sees 3 sequences at once, a penalty, a log-prob request or a prompt
+        # of some length never pays for those graphs.
+        ends = {decode[0].seqs, decode[-1].seqs}
+        self.jobs = [k for b in decode if b.seqs in ends for k in ([("plain", b, False)] if plain else [])
                      + ([("round", b, False)] if drafting else [])]
         self.announced = list(self.jobs)
         self._queue: deque = deque(self.jobs)
