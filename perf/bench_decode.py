@@ -2,6 +2,7 @@
 
     .venv/bin/python perf/bench_decode.py [--checkpoint DIR] [--fast-backend inductor] [--batches 1,8]
                                           [--specs off,dspark] [--rounds 3] [--num-prompts 16] [--max-tokens 32]
+                                          [--temperature 0]
 
 base: the eager path (decode_graph eager: the op-by-op forward, `LocalRunner`; what serves while the
 CPU default compiles). fast: the static round graphs (`StaticRunner`, the path a NeuronCore runs; the
@@ -11,12 +12,13 @@ decode bucket per batch (every sequence count pads into it), compiled before the
 seconds are printed apart (`fast-compile:`), since a server compiles once, not per request.
 
 Per (batch B, spec) cell, every round runs the same >= 16 prompts in groups of B concurrent requests on
-both paths, interleaved group by group (the order flips with the group and the round), greedy, one step
+both paths, interleaved group by group (the order flips with the group and the round), greedy (or seeded
+at --temperature T: prompt k's request has seed k), one step
 cost pinned for both (admission must not differ by timing), prefix caching and step-cost learning off.
 Decode tokens/s: the tokens after each request's first over the time from the group's first token to its
 last; TTFT: a 256-token prompt (max_tokens 1) per path and round. It prints one line per cell
 
-    decode-speed: batch=<B> spec=<off|dspark> base_tok_s=<x> fast_tok_s=<y> speedup=<y/x> \
+    decode-speed: batch=<B> spec=<off|dspark> temp=<T> base_tok_s=<x> fast_tok_s=<y> speedup=<y/x> \
                   ttft_base_ms=<a> ttft_fast_ms=<b> same_tokens=<yes|no>
 
 (one line; medians over rounds; the spreads, min-max of the rounds, on the line before it). same_tokens: every
@@ -75,8 +77,10 @@ def engine(runner, batch: int, max_len: int, spec: str, ckpt: Path) -> Engine:
     return eng
 
 
-def run_group(eng: Engine, prompts, max_tokens: int, first_id: int) -> tuple[int, float, list[list[int]]]:
-    """B concurrent greedy requests to the end: (decode tokens, decode seconds, each request's tokens)."""
+def run_group(eng: Engine, prompts, max_tokens: int, first_id: int, temperature: float = 0.0
+              ) -> tuple[int, float, list[list[int]]]:
+    """B concurrent requests to the end, greedy (temperature 0) or sampled with request k's seed k:
+    (decode tokens, decode seconds, each request's tokens)."""
     outs: list[list[int]] = [[] for _ in prompts]
     stamps: list[float] = []
     done: list[int] = []
@@ -90,8 +94,8 @@ def run_group(eng: Engine, prompts, max_tokens: int, first_id: int) -> tuple[int
             done.append(j)
 
     for j, p in enumerate(prompts):
-        eng.submit(GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                   id=f"r{first_id + j}", callback=lambda e, j=j: cb(e, j)))
+        eng.submit(GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=temperature, seed=first_id + j,
+                                   ignore_eos=True, id=f"r{first_id + j}", callback=lambda e, j=j: cb(e, j)))
     while len(done) < len(prompts):
         eng.step()
     end = time.perf_counter()
@@ -121,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling (seed k for "
+                    "prompt k: both paths draw the same counter-based noise, so same_tokens holds there too)")
     args = ap.parse_args(argv)
     if args.rounds < 3 or args.num_prompts < 16:
         print("note: fewer than 3 rounds or 16 prompts is a smoke run, not a result", file=sys.stderr)
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
                     order = ("base", "fast") if (rnd + gi) % 2 == 0 else ("fast", "base")
                     outs = {}
                     for p in order:
-                        n, s, outs[p] = run_group(engines[p], prompts[g0:g0 + B], args.max_tokens, g0)
+                        n, s, outs[p] = run_group(engines[p], prompts[g0:g0 + B], args.max_tokens, g0,
+                                                  args.temperature)
                         toks[p] += n
                         secs_[p] += s
                     same &= outs["base"] == outs["fast"]
@@ -162,7 +169,8 @@ def main(argv=None) -> int:
             tb, tf = (statistics.median(first[p]) for p in ("base", "fast"))
             print(f"  spread: base_tok_s {spread(rate['base'])} fast_tok_s {spread(rate['fast'])} "
                   f"ttft_base_ms {spread(first['base'])} ttft_fast_ms {spread(first['fast'])}")
-            print(f"decode-speed: batch={B} spec={spec} base_tok_s={b:.1f} fast_tok_s={f:.1f} speedup={f / b:.2f} "
+            print(f"decode-speed: batch={B} spec={spec} temp={args.temperature:g} base_tok_s={b:.1f} "
+                  f"fast_tok_s={f:.1f} speedup={f / b:.2f} "
                   f"ttft_base_ms={tb:.1f} ttft_fast_ms={tf:.1f} same_tokens={'yes' if same else 'no'}", flush=True)
     return 0
 
