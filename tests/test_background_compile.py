@@ -366,3 +366,48 @@ def test_an_idle_compile_thread_takes_no_slice_from_the_steps(tiny_model, monkey
     finally:
         release.set()
         assert w.close(timeout=5.0) and not w.thread.is_alive()
+
+
+@pytest.mark.slow  # ~60-90 s on 2 shared cores: two processes trace the small model's 3 graphs
+def test_a_compile_helper_compiles_each_set_before_the_server_thread(small_ckpt):
+    """The compile helper process (trn2/compile_helper.py) builds the runner from the server's settings
+    and compiles the announced sets in the server's order; the server's thread takes each set only once
+    the helper reported it (with inductor: from the cache the helper filled). A helper that dies leaves
+    the server compiling the rest itself: every set still gets warm."""
+    from v4flash_backend.group.build import build_runner
+    from v4flash_backend.model.loading import load_model
+
+    s = Settings(checkpoint_dir=str(small_ckpt), decode_graph="static", graph_backend="eager", max_num_seqs=1,
+                 max_model_len=48, prefill_chunk=16, spec_mode="dspark")
+    order = []
+
+    def run(kill_after: int | None):
+        runner = build_runner(load_model(str(small_ckpt)), s, helper=True)  # the warmup, not started
+        w = runner.warming
+        w.helper_settings = s.to_json()  # (the server gives inductor graphs a helper; here the eager ones too)
+        warm = w._warm
+
+        def spy(job):
+            # the helper's report comes first; kill_after: the helper dies before the server's next set
+            if kill_after is not None and len(order) == kill_after:
+                w.helper.proc.kill()
+            warm(job)
+            order.append((job, w.helper.reported.get(compile_helper.encode(job))))
+
+        w._warm = spy
+        w.start()
+        assert w.helper is not None
+        _until(lambda: w.done.is_set(), timeout=900)
+        assert w.error is None and runner.graphs_ready
+        w.close()
+        return w
+
+    from v4flash_backend.trn2 import compile_helper
+
+    w = run(None)
+    assert [j for j, _ in order] == w.jobs == w.announced and len(w.jobs) == 2
+    assert all(reported for _, reported in order)  # each set compiled by the helper first
+    assert w.helper.proc.poll() is not None  # closed with the server's warmup
+    order.clear()
+    w = run(0)  # killed before it reported anything (it takes >= 10 s to load and trace)
+    assert [j for j, _ in order] == w.jobs and [r for _, r in order] == [None, None]

@@ -42,12 +42,13 @@ def _log(rank: int, msg: str) -> None:
     print(f"[v4flash rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, capture=None):
+def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, capture=None, helper: bool = False):
     """This rank's runner: decode_graph static -> the static round graphs (compiled with
     graph_backend, every bucket at start -- or loaded from compiled_artifacts -- or in the background
     with graph_warmup background: trn2.warmup), eager -> the op-by-op LocalRunner. Every rank builds
     the same kind, so the ranks meet in the same collectives. capture: the compile command's
-    (`group.aot`): the graphs are traced and handed to it, nothing runs."""
+    (`group.aot`): the graphs are traced and handed to it, nothing runs. helper: the compile helper
+    process of a background compile (trn2/compile_helper.py): its BackgroundWarmup, not started."""
     from v4flash_backend.engine.runner import LocalRunner
 
     if settings.decode_graph_mode != "static":
@@ -86,8 +87,14 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, 
     if background:
         from v4flash_backend.trn2.warmup import BackgroundWarmup
 
-        runner.warming = BackgroundWarmup(runner, mode, settings.fixed_len, STOP_WIDTH, settings.warm_processed,
-                                          nodraft, log=lambda msg: _log(rank, msg))
+        # inductor's graphs compile in a helper process first (no GIL shared with the steps, no pause hook)
+        # and load from its cache here
+        runner.warming = BackgroundWarmup(
+            runner, mode, settings.fixed_len, STOP_WIDTH, settings.warm_processed, nodraft,
+            log=lambda msg: _log(rank, ("compile helper: " if helper else "") + msg),
+            helper_settings=settings.to_json() if ns.backend == "inductor" and not helper else None)
+        if helper:
+            return runner
         runner.warming.start()
         _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} graph sets in the "
                    "background (every bucket's rounds, smallest first; the rest as traffic needs them); eager "

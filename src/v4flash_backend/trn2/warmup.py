@@ -57,6 +57,7 @@ import threading
 import time
 from collections import deque
 
+from . import compile_helper
 from .graphs import uncounted
 
 NICE = 10  # the thread's scheduling priority on Linux (a thread id is a PRIO_PROCESS target there)
@@ -151,8 +152,11 @@ class BackgroundWarmup:
     (`jobs`) smallest first, and any other set a step asks for (`want`) as traffic needs it."""
 
     def __init__(self, runner, mode: str, fixed_len: int, stop_width: int, processed: bool, nodraft: bool,
-                 log=None):
+                 log=None, helper_settings: str | None = None):
         self.runner = runner
+        self.helper_settings = helper_settings  # the settings' JSON: a compile helper process (compile_helper.py)
+        self.helper = None
+        self.hooked = True  # the pause hook (False: the helper process, which serves no steps)
         self.args = (mode, fixed_len, stop_width, nodraft)
         self.processed = processed
         self.log = log or (lambda msg: print(f"[v4flash] {msg}", file=sys.stderr, flush=True))
@@ -193,6 +197,8 @@ class BackgroundWarmup:
         self._burst_end = 0.0
         self._gate = r.exec_lock  # read by the hook on every call of the compile thread
         self._gate.compiling(True)
+        if self.helper_settings is not None and compile_helper.enabled():
+            self.helper = compile_helper.CompileHelper.spawn(self.helper_settings, self.log)
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
@@ -201,6 +207,8 @@ class BackgroundWarmup:
         no server of these settings runs (a logit-processing variant without warm_processed) is left out."""
         if key[0] in ("plain", "round") and key[2] and not self.processed:
             return
+        if self.helper is not None:
+            self.helper.want(key)
         with self._cv:
             if key == self._current or key in (self.runner.ready or ()) or self.error is not None:
                 return
@@ -234,6 +242,8 @@ class BackgroundWarmup:
         """Stop and wait for the thread to end (before the process exits: module docstring); False
         when it is still running after `timeout` (inside one long C call)."""
         self.stop()
+        if self.helper is not None:
+            self.helper.close()
         if self.thread is not None:  # not `done`: that is set while the thread waits for a `want`
             self.thread.join(timeout)
         return self.thread is None or not self.thread.is_alive()
@@ -258,7 +268,8 @@ class BackgroundWarmup:
         with self._cv:
             if not self._queue and not self._stop.is_set():
                 # idle: no compile to pause, no slice before each step, no memory counted as the compile's
-                sys.setprofile(None)
+                if self.hooked:
+                    sys.setprofile(None)
                 self._gate.compiling(False)
                 if not self.done.is_set():
                     self.log(f"graphs warm: all {len(self.jobs)} sets in {time.monotonic() - self.t0:.0f} s")
@@ -268,7 +279,8 @@ class BackgroundWarmup:
                 if self._stop.is_set():
                     return None
                 self._gate.compiling(True)
-                sys.setprofile(self._pause)
+                if self.hooked:
+                    sys.setprofile(self._pause)
             if self._stop.is_set():
                 return None
             self._current = self._queue.popleft()
@@ -304,8 +316,38 @@ class BackgroundWarmup:
             r.exec_lock.compiling(False)
             self.done.set()
 
+    def run_here(self, report) -> None:
+        """The compile helper's loop (compile_helper.py): the same sets in the same order, in this thread,
+        without the pause hook; report(key, None) once a set is compiled, report(key, error) if it failed
+        (the server then compiles that one itself). Returns only when stopped."""
+        r = self.runner
+        mode, fixed_len, stop_width, _ = self.args
+        self.hooked = False
+        if not (r.graphs.primed or (r.ngraphs is not None and r.ngraphs.primed)):
+            r.graphs.prime(mode, fixed_len, stop_width)
+        r.ready = set()
+        self.t0 = time.monotonic()
+        self._gate = r.exec_lock
+        with uncounted():
+            while (job := self._next()) is not None:
+                t0 = time.monotonic()
+                try:
+                    self._warm(job)
+                except Exception as e:  # noqa: BLE001 - reported; the next set goes on
+                    report(job, e)
+                else:
+                    report(job, None)
+                    self.log(f"compiled {_name(job)} in {time.monotonic() - t0:.1f} s")
+                with self._cv:
+                    r.ready.add(job)
+                    self._current = None
+
     def _warm(self, job: tuple) -> None:
         r = self.runner
+        if self.helper is not None:  # compiled into inductor's cache by the helper first (compile_helper.py)
+            self.helper.wait(job, self._stop)
+            if self._stop.is_set():
+                raise CompileStopped
         mode, fixed_len, stop_width, _ = self.args
         if job[0] == "round":
             r.warm_round(job[1], job[2], mode, fixed_len, stop_width)
