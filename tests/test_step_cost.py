@@ -135,6 +135,10 @@ def test_probes_take_at_most_their_share_of_plain_decoding(tiny_model, max_every
     eng = _engine(tiny_model, probe_every=4, probe_max_every=max_every, dspark_adaptive=True)
     eng.cost = flat_cost(fwd_s=0.010, draft_s=0.030)
     assert eng.PROBE_SHARE == 0.03 and eng._probe_floor(1) == min(100, max_every)
+    # on static rounds the round after a probe runs the verify graph: priced as the draft seconds again
+    eng.runner.static_rounds = True
+    assert eng._probe_floor(1) == min(200, max_every)
+    eng.runner.static_rounds = False
     eng._expected_survivals = lambda s: [0.0] * eng.gamma  # drafting never pays
     decide = [eng._drafting_decision([object()]) for _ in range(sum(gaps))]
     probes = [i for i, d in enumerate(decide) if d == "probe"]
