@@ -411,3 +411,34 @@ def test_a_compile_helper_compiles_each_set_before_the_server_thread(small_ckpt)
     order.clear()
     w = run(0)  # killed before it reported anything (it takes >= 10 s to load and trace)
     assert [j for j, _ in order] == w.jobs and [r for _, r in order] == [None, None]
+
+
+def test_the_compile_thread_takes_the_set_its_helper_reported_first(tiny_model):
+    """A want that reaches the helper after this thread took its set makes the helper compile the wanted
+    set first: the thread then takes that one (from the cache) and puts its own back at the front,
+    instead of waiting out both compiles. Waiting for the popped set alone fails here (it never comes)."""
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup
+
+    r = StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
+    plain1, round1, plain2, round2 = w.jobs
+
+    class Helper:  # the helper reports round1 (wanted by a step), nothing else
+        exited, wants = False, []
+
+        def want(self, key):
+            self.wants.append(key)
+
+        def first_reported(self, keys, timeout):
+            return round1 if round1 in keys else None
+
+    w.helper = Helper()
+    job = w._next()
+    assert job == plain1
+    assert w._helper_first(job) == round1 and w._current == round1
+    assert list(w._queue) == [plain1, plain2, round2] and w.helper.wants == [plain1]
+    w.helper.exited = True  # a helper gone: the thread's own set, compiled here
+    w.helper.first_reported = lambda keys, timeout: None
+    assert w._helper_first(w._next()) == plain1

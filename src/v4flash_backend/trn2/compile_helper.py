@@ -92,14 +92,19 @@ class CompileHelper:
             except (OSError, ValueError):  # exited: the server compiles itself
                 pass
 
-    def wait(self, key: tuple, stop: threading.Event) -> bool:
-        """Until the helper has compiled `key` (True), failed it or exited (False), or `stop` is set."""
-        k = encode(key)
-        self.want(key)
+    def first_reported(self, keys: list, timeout: float):
+        """The first of `keys` the helper has reported (compiled or failed: either way this process
+        compiles it now), waiting up to `timeout` seconds for one; None: none yet."""
+        codes = [encode(k) for k in keys]
         with self._cv:
-            while k not in self.reported and not self.exited and not stop.is_set():
-                self._cv.wait(0.5)
-            return self.reported.get(k, False)
+            for _ in range(2):
+                for k, c in zip(keys, codes):
+                    if c in self.reported:
+                        return k
+                if self.exited:
+                    return None
+                self._cv.wait(timeout)
+        return None
 
     def close(self) -> None:
         with self._lock:

@@ -297,6 +297,8 @@ class BackgroundWarmup:
             with uncounted():
                 while (job := self._next()) is not None:
                     t0 = time.monotonic()
+                    if self.helper is not None:  # compiled into inductor's cache by the helper first
+                        job = self._helper_first(job)
                     self._warm(job)
                     with self._cv:
                         r.ready.add(job)
@@ -315,6 +317,33 @@ class BackgroundWarmup:
             sys.setprofile(None)
             r.exec_lock.compiling(False)
             self.done.set()
+
+    def _helper_first(self, job: tuple) -> tuple:
+        """With a compile helper (compile_helper.py): the set to compile now, once the helper has
+        reported it -- `job`, or a set queued behind it that the helper reported first (it follows the
+        wants too, so a want that came after this thread took `job` reorders the helper's work, not
+        this thread's; waiting for `job` then waited out the other set's compile too). A helper that
+        exited: `job`, compiled here from scratch."""
+        h = self.helper
+        h.want(job)
+        while True:
+            with self._cv:
+                keys = [job] + list(self._queue)
+            got = h.first_reported(keys, 0.5)
+            if self._stop.is_set():
+                raise CompileStopped
+            if got is None:
+                if h.exited:
+                    return job
+                continue
+            if got == job:
+                return job
+            with self._cv:
+                if got in self._queue:  # take it now; `job` goes back to the front
+                    self._queue.remove(got)
+                    self._queue.appendleft(job)
+                    self._current = got
+                    return got
 
     def run_here(self, report) -> None:
         """The compile helper's loop (compile_helper.py): the same sets in the same order, in this thread,
@@ -344,10 +373,6 @@ class BackgroundWarmup:
 
     def _warm(self, job: tuple) -> None:
         r = self.runner
-        if self.helper is not None:  # compiled into inductor's cache by the helper first (compile_helper.py)
-            self.helper.wait(job, self._stop)
-            if self._stop.is_set():
-                raise CompileStopped
         mode, fixed_len, stop_width, _ = self.args
         if job[0] == "round":
             r.warm_round(job[1], job[2], mode, fixed_len, stop_width)
