@@ -126,19 +126,16 @@ def test_probe_gap_doubles_while_speculation_stays_aside_and_resets_when_draftin
     assert [eng._drafting_decision([object()]) for _ in range(4)] == ["skip"] * 3 + ["probe"]
 
 
-@pytest.mark.parametrize("max_every,gaps", [(128, [100] * 5 + [128] * 2), (64, [64] * 7)])
+@pytest.mark.parametrize("max_every,gaps", [(256, [200] * 6 + [256] * 2), (64, [64] * 7)])
 def test_probes_take_at_most_their_share_of_plain_decoding(tiny_model, max_every, gaps):
-    """Where a probe costs 3 plain steps (the compiled CPU path's draft round), stepping aside probes
-    no more often than every 3 / PROBE_SHARE = 100 steps (then the doubled gap, up to probe_max_every,
-    which also caps the floor): probing costs at most 3 % of plain decoding's time. Dropping the floor
-    (a probe every 4, 8, 16, ... steps) fails here."""
+    """Where a probe's draft stages cost 3 plain steps (the compiled CPU path's draft round) and the
+    round verifying its drafts as much again, stepping aside probes no more often than every
+    2 x 3 / PROBE_SHARE = 200 steps (then the doubled gap, up to probe_max_every, which also caps the
+    floor): probing costs at most 3 % of plain decoding's time. Dropping the floor (a probe every 4, 8,
+    16, ... steps) or pricing the probe's round alone (every 100) fails here."""
     eng = _engine(tiny_model, probe_every=4, probe_max_every=max_every, dspark_adaptive=True)
     eng.cost = flat_cost(fwd_s=0.010, draft_s=0.030)
-    assert eng.PROBE_SHARE == 0.03 and eng._probe_floor(1) == min(100, max_every)
-    # on static rounds the round after a probe runs the verify graph: priced as the draft seconds again
-    eng.runner.static_rounds = True
-    assert eng._probe_floor(1) == min(200, max_every)
-    eng.runner.static_rounds = False
+    assert eng.PROBE_SHARE == 0.03 and eng._probe_floor(1) == min(200, max_every)
     eng._expected_survivals = lambda s: [0.0] * eng.gamma  # drafting never pays
     decide = [eng._drafting_decision([object()]) for _ in range(sum(gaps))]
     probes = [i for i, d in enumerate(decide) if d == "probe"]
@@ -223,7 +220,8 @@ def test_static_rounds_step_aside_like_eager_steps(tiny_model):
     """The golden checkpoint's random drafts are almost never accepted: after the first blocks both
     modes step aside (the static round: graph 1 alone) and probe every 4 steps, alike."""
     st = _check_static_equals_eager(tiny_model, [([0, 5, 6, 7, 8], 36, 0.0, None),
-                                                 ([0, 17, 230, 5, 99, 41], 24, 0.8, 7)], FLAT, probe_every=4)
+                                                 ([0, 17, 230, 5, 99, 41], 24, 0.8, 7)], FLAT, probe_every=4,
+                                    probe_max_every=4)  # (which caps the probes' cost floor too)
     kinds = st["decode_steps_by_kind"]
     assert kinds["aside"] >= 8 and kinds["probe"] >= 2 and kinds["draft"] >= 1, kinds
     # a stepped-aside round with nothing left to verify runs the 1-row plain-decode graph

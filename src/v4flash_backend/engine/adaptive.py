@@ -81,22 +81,22 @@ class AdaptivePolicy:
         """The fewest steps aside between two probes for R requests, so that probing costs at most
         PROBE_SHARE of plain decoding's time: a probe's extra seconds over a plain step (its draft
         stages, then a step verifying one draft a request: t_step(2R, R, R) - t_step(R, R, 0)) over
-        PROBE_SHARE x the plain step; at most probe_max_every. Why: on the compiled CPU path a
+        PROBE_SHARE x the plain step, twice (the round after it verifies its drafts); at most
+        probe_max_every. Why: on the compiled CPU path a
         drafting round costs ~3-4x a plain one (perf/bench_dspark.py --fast prints the profile):
         probing every 16 steps, backing off to 128, cost a batch-8 server ~10 % where speculation
         stays aside (0.87-0.90x plain; with the floor 0.95-0.96x). Eagerly, where the draft stages
         cost about half a plain step, the floor is ~15 steps, below probe_every."""
         cost = self.ensure_cost()
         plain = float(cost.t_step(R, R, 0))
-        extra = float(cost.t_step(2 * R, R, R)) - plain
-        if self.runner.static_rounds:
-            # a probe's drafts are verified by the next round, which then runs the drafting round's
-            # verify graph (1 + G rows a sequence) instead of the plain one. The static profile prices
-            # a round by what it drafts (its forward table has one figure at every size: step_profile),
-            # so that round's extra -- verify graph over plain round, 9.5 vs 3.7 ms at batch 1, ~0.6 of
-            # the draft seconds (perf/round_profile.py) -- is not in `extra`: counted as the draft
-            # seconds again, an upper bound
-            extra *= 2
+        # x2: a probe's drafts are verified by the next round. On static rounds that round runs the
+        # drafting round's verify graph (1 + G rows a sequence) instead of the plain one, and the static
+        # profile prices a round by what it drafts (its forward table has one figure at every size:
+        # step_profile), so its extra -- verify graph over plain round, 9.5 vs 3.7 ms at batch 1, ~0.6 of
+        # the draft seconds (perf/round_profile.py) -- is not in `extra`. Counted as the draft seconds
+        # again, an upper bound; on both paths (eagerly `extra` holds the verified rows already), so an
+        # eager and a static engine probe at the same steps and a seeded request's tokens stay equal
+        extra = 2 * (float(cost.t_step(2 * R, R, R)) - plain)
         if not plain > 0 or not extra > 0:
             return 0
         return min(math.ceil(extra / (self.PROBE_SHARE * plain)), self.settings.probe_max_every)
