@@ -8,8 +8,7 @@ import sys
 import threading
 
 from v4flash_backend.trn2.compile_helper import decode, encode
-
-NICE = 10  # below the server's serving thread, as its compile thread
+from v4flash_backend.trn2.warmup import NICE  # below the server's serving thread, as its compile thread
 
 
 def main() -> int:
@@ -31,12 +30,9 @@ def main() -> int:
     ops.set_backend(settings.ops_backend)
     if settings.numerics:
         ops.set_numerics(settings.numerics)
-    out_lock = threading.Lock()
-
-    def report(line: str) -> None:
-        with out_lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+    def report(line: str) -> None:  # (this thread alone writes stdout)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
     runner = build_runner(load_model(settings.checkpoint_dir), settings, helper=True)
     warming = runner.warming

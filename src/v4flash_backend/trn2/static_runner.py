@@ -291,9 +291,11 @@ class StaticRunner(LocalRunner):
         background compile has not warmed that one, the smallest larger one whose set is warm (the
         round padded with more padding sequences: a compiled round of the larger bucket is several
         times faster than the eager step); None: none warm."""
-        fits = sorted((b for b in self.buckets if b.seqs >= seqs and b.rows >= 1 + self.G and b.ctx >= ctx_needed),
-                      key=lambda b: (b.seqs * b.rows, b.ctx))
-        return next((b for b in fits if self._warm(kind, b, processed)), None)
+        try:
+            return pick_bucket([b for b in self.buckets if self._warm(kind, b, processed)], seqs, 1 + self.G,
+                               ctx_needed)
+        except ValueError:
+            return None
 
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host (an eager step) into the per-slot state."""

@@ -185,8 +185,8 @@ class BackgroundWarmup:
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Prime (this thread), mark nothing warm, start compiling."""
+    def _begin(self) -> None:
+        """Prime (this thread), mark nothing warm, open the gate's compile accounting."""
         r = self.runner
         mode, fixed_len, stop_width, _ = self.args
         if not (r.graphs.primed or (r.ngraphs is not None and r.ngraphs.primed)):
@@ -197,6 +197,10 @@ class BackgroundWarmup:
         self._burst_end = 0.0
         self._gate = r.exec_lock  # read by the hook on every call of the compile thread
         self._gate.compiling(True)
+
+    def start(self) -> None:
+        """Prime (this thread), mark nothing warm, start compiling."""
+        self._begin()
         if self.helper_settings is not None and compile_helper.enabled():
             self.helper = compile_helper.CompileHelper.spawn(self.helper_settings, self.log)
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
@@ -350,13 +354,8 @@ class BackgroundWarmup:
         without the pause hook; report(key, None) once a set is compiled, report(key, error) if it failed
         (the server then compiles that one itself). Returns only when stopped."""
         r = self.runner
-        mode, fixed_len, stop_width, _ = self.args
         self.hooked = False
-        if not (r.graphs.primed or (r.ngraphs is not None and r.ngraphs.primed)):
-            r.graphs.prime(mode, fixed_len, stop_width)
-        r.ready = set()
-        self.t0 = time.monotonic()
-        self._gate = r.exec_lock
+        self._begin()
         with uncounted():
             while (job := self._next()) is not None:
                 t0 = time.monotonic()
