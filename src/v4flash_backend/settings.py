@@ -195,10 +195,10 @@ class Settings:
         "static rounds alike (same tokens for the same seed); a static server then also compiles the "
         "plain-decode graphs at start", scope="engine")
     probe_every: int = setting(16, "steps between probes (one draft verified) while speculation steps aside (at "
-                               "least enough that probes take <= 3 % of plain decoding's time, by the step cost)",
+                               "least enough that probes take <= 1 % of plain decoding's time, by the step cost)",
                                scope="engine", low=1)
     probe_max_every: int = setting(
-        256, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
+        1024, "the gap between probes doubles after each probe that leaves speculation aside, up to this "
         "many steps (back to probe_every once drafting pays); at most probe_every: no back-off",
         scope="engine", low=1)
     step_cost_online: bool = setting(

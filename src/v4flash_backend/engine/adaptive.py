@@ -55,9 +55,9 @@ class AdaptivePolicy:
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
             # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
-            # still seen within probe_max_every steps. On the compiled path a probe costs ~2.4 plain
-            # rounds (perf/round_profile.py): backing off to 128 kept ~2 % of a stepped-aside server's
-            # time in probes, against the ~1 % of 256 (the default)
+            # still seen within probe_max_every steps. On the compiled path a probe and the round
+            # that verifies it cost ~4 plain rounds over two plain ones (perf/round_profile.py), so
+            # the floor (_probe_floor), not this back-off, sets the gap there
             self._skipped = 0
             self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"
@@ -74,8 +74,12 @@ class AdaptivePolicy:
             memo = self._pays_memo = (key, drafting_pays(cost, surv)[0])
         return memo[1]
 
-    # the share of plain decoding's time that probing may take while speculation steps aside
-    PROBE_SHARE = 0.03
+    # the share of plain decoding's time that probing may take while speculation steps aside. 1 %, not
+    # the 3 % the budget allows: where speculation steps aside DSpark should read >= 0.98x plain, and
+    # on the compiled CPU path at 3 % the probes alone took ~1.5-2.4 % of a batch-1 server's time
+    # (4 probes in 750 steps, a cProfile of perf/bench_dspark.py --fast); the host work of a
+    # stepped-aside step is ~15 us (decision and learner, timed at batch 1) against a ~3.7 ms round
+    PROBE_SHARE = 0.01
 
     def _probe_floor(self, R: int) -> int:
         """The fewest steps aside between two probes for R requests, so that probing costs at most
@@ -85,8 +89,9 @@ class AdaptivePolicy:
         probe_max_every. Why: on the compiled CPU path a
         drafting round costs ~3-4x a plain one (perf/bench_dspark.py --fast prints the profile):
         probing every 16 steps, backing off to 128, cost a batch-8 server ~10 % where speculation
-        stays aside (0.87-0.90x plain; with the floor 0.95-0.96x). Eagerly, where the draft stages
-        cost about half a plain step, the floor is ~15 steps, below probe_every."""
+        stays aside (0.87-0.90x plain; with the floor 0.95-0.96x). There the floor is ~540 steps at
+        batch 1 (~2 s of decoding); eagerly, where the draft stages cost about half a plain step,
+        ~85 steps (~4 s)."""
         cost = self.ensure_cost()
         plain = float(cost.t_step(R, R, 0))
         # x2: a probe's drafts are verified by the next round. On static rounds that round runs the
