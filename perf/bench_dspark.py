@@ -22,9 +22,11 @@ many sequences does (the eager bench profiles once, at the largest batch).
 
 Prompts: by default >= 16 cut from the embedded model's held-out corpus files (never trained on);
 --prompts FILE takes a JSON list of strings, tokenized with the checkpoint's tokenizer (BOS first).
-Each mode's engines share one step-cost learner and fixed-length guard over the whole bench
-(engine/step_learn.py, engine/fixed_guard.py: a server's lifetime; --no-step-cost-online: the profile
-alone). Per cell it prints (on one line)
+Each mode's engines share one step-cost learner, fixed-length guard and online calibration (its
+window of verified blocks per regime, which the stepping-aside decision reads) over the whole bench,
+per batch with --fast (engine/step_learn.py, engine/fixed_guard.py, engine/calibration.py: a server's
+lifetime; a new engine per round re-learned them each round, a start-up a server pays once;
+--no-step-cost-online: the profile alone, the calibration still shared). Per cell it prints (on one line)
     cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z>
           dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t> admitted_median=<l>
 (admitted_median: DSpark's median drafts admitted per verified block), then per mode that drafts
@@ -170,8 +172,9 @@ class ModeRun:
     requests to the next); `group(g0)` runs one group, so several modes' runs can be interleaved
     group by group. mode "oracle": OracleEngine with `reference` (plain greedy outputs per prompt);
     `outputs` collects the tokens, `steps` the decode steps' (measured, profile's, learned) seconds,
-    `admitted` the drafts admission chose per verified block. `learned`: (StepCostLearner,
-    FixedGuard) the mode's engines share (None: each engine's own; step_cost_online False: none)."""
+    `admitted` the drafts admission chose per verified block. `learned`: [StepCostLearner,
+    FixedGuard, OnlineCalibrator or None] the mode's engines share (None: each engine's own;
+    step_cost_online False: no learner or guard; the calibration slot is filled by the first engine)."""
 
     def __init__(self, model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                  adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
@@ -190,10 +193,14 @@ class ModeRun:
             dspark_adaptive=adaptive, checkpoint_dir=str(CKPT[0]), calibration_online=not oracle,
             step_cost_online=online, **({"prefix_cache_bytes": 0} if shared else {})))
         eng.cost = cost
-        if learned is not None:  # the mode's learner and guard, carried from engine to engine
+        if learned is not None:  # the mode's learner, guard and calibration, carried from engine to engine
             eng.learner = learned[0]
             if eng.guard is not None:
                 eng.guard = learned[1]
+            if eng.calib is not None and not oracle:
+                if learned[2] is None:
+                    learned[2] = eng.calib
+                eng.calib = learned[2]
         if oracle:
             eng.calib.cal.params = {}  # identity: the oracle's 0 / 1 confidences are exact
             eng.reference = {f"p{i}": r for i, r in enumerate(reference)}
@@ -257,7 +264,8 @@ def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: 
     """One round of every mode, interleaved group by group (each group of prompts runs in every mode
     before the next group starts; the order of the modes rotates with the group and the round), so
     a burst of load on the shared machine hits the modes alike instead of one mode's whole run.
-    Returns {mode: {tok_s, tau}}. learned: {mode: (StepCostLearner, FixedGuard)} carried over rounds."""
+    Returns {mode: {tok_s, tau}}. learned: {mode: [StepCostLearner, FixedGuard, OnlineCalibrator | None]}
+    carried over rounds (the calibration is the first engine's, then shared)."""
     runs = {m: ModeRun(model, m, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference,
                        (outputs or {}).get(m), (steps or {}).get(m), (learned or {}).get(m), online,
                        (admitted or {}).get(m), runner) for m in modes}
@@ -328,9 +336,9 @@ def main(argv=None) -> int:
     print(f"{'batch':>5} {'temp':>4} {'mode':>7} {'tok/s median [min-max]':>24} {'tau':>5}")
     final = None
     reference = None
-    # the learner / guard of a mode live as long as the bench (a server's lifetime)
+    # the learner / guard / calibration of a mode live as long as the bench (a server's lifetime)
     G, F = model.cfg.dspark_block_size or 0, Settings().fixed_len
-    learners = lambda: {m: (StepCostLearner(), FixedGuard(F, G)) for m in MODES + ("oracle",)}  # noqa: E731
+    learners = lambda: {m: [StepCostLearner(), FixedGuard(F, G), None] for m in MODES + ("oracle",)}  # noqa: E731
     learned = learners()
     if args.oracle and 0.0 in temps:  # plain greedy outputs (exact numerics: independent of the batch)
         reference = [[] for _ in prompts]
