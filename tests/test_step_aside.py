@@ -16,6 +16,7 @@ import torch
 from v4flash_backend.engine.dspark_sched import SPSTable
 from v4flash_backend.engine.engine import Engine
 from v4flash_backend.engine.runner import LocalRunner
+from v4flash_backend.engine.seq import Seq
 from v4flash_backend.engine.step_cost import StepCost
 from v4flash_backend.request import GenerateRequest
 from v4flash_backend.settings import Settings
@@ -101,7 +102,7 @@ def test_the_stepping_aside_verdict_is_priced_once_while_its_inputs_stand(tiny_m
     real = adaptive.drafting_pays
     monkeypatch.setattr(adaptive, "drafting_pays", lambda c, s: (calls.append(1), real(c, s))[1])
     eng = _engine(LocalRunner(tiny_model, 3, 64), "dspark")
-    seqs = [object()]
+    seqs = [Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])]
     assert [eng._drafting_decision(seqs) for _ in range(20)] == ["skip"] * 20 and len(calls) == 1
     eng._expected_survivals = lambda s: [1.0] * eng.gamma  # every draft accepted: priced again, and it pays
     assert eng._drafting_decision(seqs) == "draft" and len(calls) == 2

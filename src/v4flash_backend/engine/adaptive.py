@@ -2,7 +2,7 @@
 observed in earlier steps only), the per-request acceptance evidence, calibrated confidences and the
 online calibration feed, and the static rounds' admission inputs. A mixin of `Engine`: it reads the
 engine's `cfg`, `gamma`, `spec` and `ensure_cost()`; its own state (`calib`, `adaptive`, `_observed`,
-`_skipped`, `_probe_gap`, `_c_mean`) is set by `_init_policy`.
+`_skipped`, `_probe_gap`) is set by `_init_policy`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class AdaptivePolicy:
         self._observed: list[tuple] = []
         self._skipped = 0  # consecutive steps whose drafts stepped aside
         self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
-        self._c_mean: dict[str, list[float]] = {}  # per regime: mean calibrated confidences (a prior)
         self._pays_memo = None  # ((cost, survivals), verdict) of the last `_pays`
 
     def _load_calibration(self) -> Calibration:
@@ -49,6 +48,8 @@ class AdaptivePolicy:
             self._probe_gap = self.settings.probe_every
             return "draft"
         self._skipped += 1
+        for s in seqs:  # their evidence ages while they step aside (_expected_survivals)
+            s.aside += 1
         # (the floor is priced only once the gap is reached: most steps aside stop at the first test)
         if self._skipped >= self._probe_gap and self._skipped >= self._probe_floor(len(seqs)):
             # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
@@ -146,23 +147,46 @@ class AdaptivePolicy:
     # per position, its regime's observed rate as a prior worth PRIOR_BLOCKS blocks, then its own
     # blocks with weight EVIDENCE_DECAY^age. Measured on the embedded model (batch 1, greedy): the
     # last block's survivals alone, one noisy block, stepped aside on 191 of 290 steps where
-    # drafting every step (fixed-5) was 1.4x faster.
-    PRIOR_BLOCKS = 2.0
+    # drafting every step (fixed-5) was 1.4x faster. A prior worth 2 blocks still let one early
+    # rejection put a request below break-even on the compiled path, where drafting pays narrowly
+    # (batch 1, T = 0, held-out: DSpark drafted at tau 3.11 for 0.94x fixed-5); worth 4 blocks it
+    # drafted throughout (tau 4.70, 0.97x fixed-5; 8 blocks: 0.98x), and at T = 1 it stays aside
+    # (perf/bench_dspark.py --fast --batches 1, one run each)
+    PRIOR_BLOCKS = 4.0
     EVIDENCE_DECAY = 0.75
-    C_MEAN_RATE = 0.1
+
+    def _age(self, s: Seq) -> float:
+        """The weight left on a request's own evidence after the steps it stepped aside since its
+        last verified block: EVIDENCE_DECAY for every 1 + G of them (a block's worth of tokens), in
+        whole blocks (the survivals, hence the memoized verdict, change once a block's worth, not every
+        step). Why: a request that steps aside verifies nothing, so without aging one unlucky block
+        kept it aside for good -- on the compiled path at batch 1, T = 0 (held-out prompts) a request
+        whose first block went badly never drafted again within its 48 tokens (the next probe is
+        ~540 steps away). Aged, its estimate
+        returns to the regime's observed acceptance, which decides again: where the regime's drafts
+        pay (T = 0 there) the request drafts again after a few blocks' worth of tokens, where they do
+        not (T = 1) it stays aside."""
+        return self.EVIDENCE_DECAY ** (s.aside // (1 + self.gamma)) if s.aside else 1.0
 
     def _expected_survivals(self, s: Seq) -> list[float]:
         """The prefix survivals a request's next block is expected to reach, from past blocks only
         (never this step's draws: the decision they feed is independent of them, so lossless).
-        The prior: the regime's observed acceptance where the window has evidence, else the mean
-        calibrated confidence of the regime's drafted blocks (a new engine: at T = 1 the first
-        blocks' calibrated c ~ 0.3 says at once what 8 observed blocks would), else 1."""
+        The prior: the regime's observed acceptance over the calibration window, a position with
+        fewer than 8 verified blocks taking the previous position's rate, and 1 while the regime has
+        none: a new engine's prior is 1 until a regime's window has 8 blocks (one drafting step at
+        batch 8; a request's own blocks still move it), then observed acceptance decides. Not the
+        head's calibrated confidences: they were the prior of a new engine once (at T = 1 the first
+        block's c ~ 0.3 stepped aside at once), but where
+        the head is less sure than the drafts are good they starve the regime of evidence -- on the
+        compiled path at batch 1, T = 0 (held-out prompts) the first block's c put drafting below
+        break-even, nothing more was verified, and DSpark stayed aside (0.97x plain) where fixed-5
+        read 1.10x with its drafts accepted at 0.87-0.96 a position."""
         reg = regime(s.req.temperature)
-        prior = self.calib.acceptance_rates(reg, fallback=self._c_mean.get(reg))
+        prior = self.calib.acceptance_rates(reg)
         if s.ev_trials is None:
             return expected_survivals(prior)
-        P = self.PRIOR_BLOCKS
-        return expected_survivals([(P * r + h) / (P + n) for r, h, n in zip(prior, s.ev_hits, s.ev_trials)])
+        P, w = self.PRIOR_BLOCKS, self._age(s)
+        return expected_survivals([(P * r + w * h) / (P + w * n) for r, h, n in zip(prior, s.ev_hits, s.ev_trials)])
 
     def _observe_block(self, s: Seq, n_acc: int) -> None:
         """A verified block enters the request's evidence: position k < ell was reached if drafts
@@ -173,6 +197,10 @@ class AdaptivePolicy:
         G, c = self.gamma, s.last_c
         if s.ev_trials is None:
             s.ev_trials, s.ev_hits = [0.0] * G, [0.0] * G
+        elif s.aside:  # the aging of the steps it stepped aside becomes part of the counts
+            w = self._age(s)
+            s.ev_trials, s.ev_hits = [w * n for n in s.ev_trials], [w * h for h in s.ev_hits]
+        s.aside = 0
         lam = self.EVIDENCE_DECAY
         reach = 1.0
         for k in range(G):
@@ -196,13 +224,10 @@ class AdaptivePolicy:
         """The calibrated confidences [R, G] of the seqs' new blocks (each in its request's regime).
         Every drafted block's conditionals, a probe's included, become the request's `last_c`: when
         the block is verified they enter the request's evidence (`_observe_block`), which the
-        decision to step aside reads (a probe that left them stale kept a request aside for good);
-        the regime's mean calibrated confidence, the prior of a new engine, follows them. Eager
-        drafting and static rounds alike."""
+        decision to step aside reads (a probe that left them stale kept a request aside for good).
+        Eager drafting and static rounds alike."""
         regs = [regime(s.req.temperature) for s in seqs]
         c = self.calib.cal.confidence(conf_logits, regs)
-        for s, reg, ck in zip(seqs, regs, c.tolist()):
+        for s, ck in zip(seqs, c.tolist()):
             s.last_c = ck
-            m = self._c_mean.get(reg)  # the regime's mean calibrated confidence (EWMA over blocks)
-            self._c_mean[reg] = ck if m is None else [x + self.C_MEAN_RATE * (y - x) for x, y in zip(m, ck)]
         return c
