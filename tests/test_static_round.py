@@ -203,10 +203,13 @@ def test_compiled_round_is_fullgraph_and_serves_the_eager_tokens(small_model):
         eng = Engine(runner, Settings(max_num_seqs=1, max_model_len=40, dspark_adaptive=True, probe_every=3,
                                       probe_max_every=3, step_cost_online=False))
         out = []
-        # the first request with drafting at half a forward (pays at the untrained head's c = 0.5),
-        # the second at twice a forward (does not: stepped aside, with probes); graph inputs only
-        for kw, draft_s in zip(reqs, (0.05, 0.2)):
+        # the first request with drafting at half a forward (a new engine's regime has no verified
+        # blocks yet: it drafts), the second at twice a forward after 8 verified blocks whose drafts
+        # were all rejected (does not pay: stepped aside, with probes); host inputs only
+        for i, (kw, draft_s) in enumerate(zip(reqs, (0.05, 0.2))):
             eng.cost = StepCost(SPS, {1: draft_s})
+            for _ in range(8 * i):
+                eng.calib.observe("sampled", torch.zeros(eng.gamma), eng.gamma, 0)
             ev = eng.run_request(GenerateRequest(prompt=PROMPT[:5], max_tokens=12, ignore_eos=True, **kw))
             out.append([(e.token_ids, e.logprobs) for e in ev])
         return out, eng.stats()
