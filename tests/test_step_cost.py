@@ -67,11 +67,11 @@ def test_profile_is_interleaved_and_robust_to_a_burst():
     assert med[8] == pytest.approx(0.009)  # the median ignores the burst
 
 
-def _seq():
+def _seq(max_tokens: int = 8):
     """A decoding request as the stepping-aside decision sees it (its evidence ages while aside)."""
     from v4flash_backend.engine.seq import Seq
 
-    return Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])
+    return Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=max_tokens), slot=0, tokens=[0, 1])
 
 
 def _engine(model, **kw):
@@ -360,13 +360,11 @@ def test_a_request_aside_ages_its_evidence_back_to_the_regime(tiny_model, regime
     4.48 tokens), where they are accepted at 0.3 it stays aside. Without the aging (the deliberate
     mistake: _age = 1) it never drafts again; a probe is ~600 steps away, longer than most requests.
     A verified block then folds the aging into its counts."""
-    from v4flash_backend.engine.seq import Seq
-
     eng = _engine(tiny_model, probe_every=1000, probe_max_every=1000, dspark_adaptive=True)
     eng.cost = flat_cost(fwd_s=0.010, draft_s=0.035)
     G = eng.gamma
     eng.calib.acceptance_rates = lambda reg, min_rows=8, fallback=None: [regime_rate] * G
-    s = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=64), slot=0, tokens=[0, 1])
+    s = _seq(max_tokens=64)
     s.ell, s.last_c, s.conf_logits = 3, [0.5] * G, torch.zeros(G)
     eng._account_verify(s, 0)  # draft 0 rejected
     assert s.ev_trials == [1.0] + [0.0] * (G - 1) and s.aside == 0
@@ -388,12 +386,10 @@ def test_a_new_engine_explores_until_its_regime_has_verified_blocks(tiny_model):
     taken from the calibrated c (the deliberate mistake: the mean c of the drafted blocks, the old
     prior) keeps the regime aside before anything is verified, and nothing ever is. Flat 10 ms
     forward, 30 ms draft stages: drafting pays above 4 expected tokens a step."""
-    from v4flash_backend.engine.seq import Seq
-
     eng = _engine(tiny_model, dspark_adaptive=True)
     eng.cost = flat_cost(fwd_s=0.010, draft_s=0.030)
     G = eng.gamma
-    s = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=64), slot=0, tokens=[0, 1])
+    s = _seq(max_tokens=64)
     logit = float(torch.logit(torch.tensor(0.3)))
     eng._calibrated([s], torch.full((1, G), logit))  # a pessimistic head (no calibration shipped)
     assert s.last_c == pytest.approx([0.3] * G, rel=1e-5)
@@ -401,7 +397,7 @@ def test_a_new_engine_explores_until_its_regime_has_verified_blocks(tiny_model):
     for _ in range(8):  # 8 blocks verified, 0.9 of the drafts accepted a position on average
         eng.calib.observe("greedy", torch.zeros(G), G, G)
     eng.calib.observe("greedy", torch.zeros(G), G, 0)
-    t = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=64), slot=1, tokens=[0, 1])
+    t = _seq(max_tokens=64)  # a second request of the regime: its prior, no evidence of its own
     assert eng._expected_survivals(t)[0] == pytest.approx(8 / 9) and eng._drafting_decision([t]) == "draft"
     # where the observed drafts are rejected, the regime steps aside
     for _ in range(40):

@@ -162,10 +162,9 @@ class AdaptivePolicy:
         step). Why: a request that steps aside verifies nothing, so without aging one unlucky block
         kept it aside for good -- on the compiled path at batch 1, T = 0 (held-out prompts) a request
         whose first block went badly never drafted again within its 48 tokens (the next probe is
-        ~540 steps away). Aged, its estimate
-        returns to the regime's observed acceptance, which decides again: where the regime's drafts
-        pay (T = 0 there) the request drafts again after a few blocks' worth of tokens, where they do
-        not (T = 1) it stays aside."""
+        ~540 steps away). Aged, its estimate returns to the regime's observed acceptance, which
+        decides again: where the regime's drafts pay (T = 0 there) the request drafts again after a
+        few blocks' worth of tokens, where they do not (T = 1) it stays aside."""
         return self.EVIDENCE_DECAY ** (s.aside // (1 + self.gamma)) if s.aside else 1.0
 
     def _expected_survivals(self, s: Seq) -> list[float]:
@@ -176,11 +175,11 @@ class AdaptivePolicy:
         none: a new engine's prior is 1 until a regime's window has 8 blocks (one drafting step at
         batch 8; a request's own blocks still move it), then observed acceptance decides. Not the
         head's calibrated confidences: they were the prior of a new engine once (at T = 1 the first
-        block's c ~ 0.3 stepped aside at once), but where
-        the head is less sure than the drafts are good they starve the regime of evidence -- on the
-        compiled path at batch 1, T = 0 (held-out prompts) the first block's c put drafting below
-        break-even, nothing more was verified, and DSpark stayed aside (0.97x plain) where fixed-5
-        read 1.10x with its drafts accepted at 0.87-0.96 a position."""
+        block's c ~ 0.3 stepped aside at once), but where the head is less sure than the drafts are
+        good they starve the regime of evidence -- on the compiled path at batch 1, T = 0 (held-out
+        prompts) the first block's c put drafting below break-even, nothing more was verified, and
+        DSpark stayed aside (0.97x plain) where fixed-5 read 1.10x with its drafts accepted at
+        0.87-0.96 a position."""
         reg = regime(s.req.temperature)
         prior = self.calib.acceptance_rates(reg)
         if s.ev_trials is None:
