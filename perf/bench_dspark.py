@@ -29,7 +29,8 @@ lifetime; a new engine per round re-learned them each round, a start-up a server
 --no-step-cost-online: the profile alone, the calibration still shared). Per cell it prints (on one line)
     cell: batch=<B> temp=<T> plain_tok_s=<x> dspark_tok_s=<y> fixed_tok_s=<z>
           dspark_vs_plain=<y/x> dspark_vs_fixed=<y/z> tau=<t> admitted_median=<l>
-(admitted_median: DSpark's median drafts admitted per verified block), then per mode that drafts
+(admitted_median: DSpark's median drafts admitted per verified block, probes and stepped-aside steps
+left out; nan where it admitted none), then per mode that drafts
     stepcost: batch=<B> temp=<T> mode=<m> model=profile|learned steps=<n> measured_over_model=<r> [q1-q3]
 (every decode step's measured seconds over the start-up profile's t_step; and, over the steps taken
 once the learned cost had moved off the profile, over the learned cost as it stood before the step),
@@ -228,7 +229,8 @@ class ModeRun:
             dec = bool(eng.running) and not any(s.prefilling for s in eng.running) and self.mode != "off"
             B, S = sum(1 + s.ell for s in eng.running), len(eng.running)
             if dec and self.admitted is not None:
-                self.admitted.extend(s.ell for s in eng.running if s.adm == "admit")
+                # blocks this step verifies (a stepped-aside request holds none: its ell 0 is no choice)
+                self.admitted.extend(s.ell for s in eng.running if s.adm == "admit" and s.draft is not None)
             learned = eng.learned_cost() if dec and steps is not None else None
             drafted0, ts = eng.totals["drafted"], time.perf_counter()
             books += ts - tb
