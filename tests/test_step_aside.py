@@ -95,16 +95,17 @@ def test_a_stepped_aside_eager_step_is_the_plain_step(tiny_model):
 
 def test_the_stepping_aside_verdict_is_priced_once_while_its_inputs_stand(tiny_model, monkeypatch):
     """While speculation stays aside the decision's inputs do not move (the same learned-cost object,
-    the same expected survivals): `drafting_pays` runs once, not every step; new inputs price again."""
+    the same expected survivals): `drafting_pays` runs twice (under way, then resuming: after a step
+    aside the verdict prices the resuming step), not every step; new inputs price again."""
     from v4flash_backend.engine import adaptive
 
     calls = []
     real = adaptive.drafting_pays
-    monkeypatch.setattr(adaptive, "drafting_pays", lambda c, s: (calls.append(1), real(c, s))[1])
+    monkeypatch.setattr(adaptive, "drafting_pays", lambda c, s, **kw: (calls.append(1), real(c, s, **kw))[1])
     eng = _engine(LocalRunner(tiny_model, 3, 64), "dspark")
     seqs = [Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])]
-    assert [eng._drafting_decision(seqs) for _ in range(20)] == ["skip"] * 20 and len(calls) == 1
+    assert [eng._drafting_decision(seqs) for _ in range(20)] == ["skip"] * 20 and len(calls) == 2
     eng._expected_survivals = lambda s: [1.0] * eng.gamma  # every draft accepted: priced again, and it pays
-    assert eng._drafting_decision(seqs) == "draft" and len(calls) == 2
+    assert eng._drafting_decision(seqs) == "draft" and len(calls) == 3
     eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 1.0})  # a new cost: priced again (drafts 1 s)
-    assert eng._drafting_decision(seqs) == "skip" and len(calls) == 3
+    assert eng._drafting_decision(seqs) == "skip" and len(calls) == 4

@@ -82,8 +82,10 @@ def test_engine_steps_aside_when_drafts_are_not_accepted_and_stays_lossless(tiny
     prompt = [0, 5, 6, 7, 8]
     plain = [t for e in _engine(tiny_model).run_request(
         GenerateRequest(prompt=prompt, max_tokens=60, ignore_eos=True)) for t in e.token_ids]
-    eng = _engine(tiny_model, probe_every=8, probe_max_every=8, dspark_adaptive=True)  # a probe every 8
-    eng.cost = flat_cost()  # deterministic decisions (the profile would be taken on a loaded machine)
+    # a probe every 8; deterministic decisions: the flat cost, not a profile or the learner's correction
+    # of it from measured steps (both timed on a machine that may be loaded)
+    eng = _engine(tiny_model, probe_every=8, probe_max_every=8, dspark_adaptive=True, step_cost_online=False)
+    eng.cost = flat_cost()
     calls = []  # (forward computed taps?, ring rows written by the dspark call after it, drafted?)
     fwd, dsp = eng.runner.forward, eng.runner.dspark
     eng.runner.forward = lambda t, sp, rows, taps: (calls.append([taps, 0, False]), fwd(t, sp, rows, taps))[1]
@@ -350,32 +352,91 @@ def test_stepping_aside_estimate_follows_the_requests_own_blocks(tiny_model):
     assert u.ev_trials == pytest.approx([1, 1, 1, 0.8, 0.4]) and u.ev_hits == pytest.approx([1, 1, 0.8, 0.4, 0.16])
 
 
-@pytest.mark.parametrize("regime_rate,first_draft", [(0.9, 36), (0.3, None)])
+def _rejected_twice(eng):
+    """A request whose two verified blocks (3 drafts each) had their first draft rejected."""
+    G = eng.gamma
+    s = _seq(max_tokens=64)
+    for _ in range(2):
+        s.ell, s.last_c, s.conf_logits = 3, [0.5] * G, torch.zeros(G)
+        eng._account_verify(s, 0)
+    return s
+
+
+@pytest.mark.parametrize("regime_rate,first_draft", [(0.97, 48), (0.9, None), (0.3, None)])
 def test_a_request_aside_ages_its_evidence_back_to_the_regime(tiny_model, regime_rate, first_draft):
-    """A request whose one verified block had its first draft rejected steps aside (flat 10 ms
-    forward, 35 ms draft stages: drafting pays above 4.5 expected tokens a step; its own block puts
-    draft 0 at (4 x 0.9 + 0) / 5 = 0.72, 3.95 tokens). Stepping aside verifies nothing, so its evidence
-    ages instead, EVIDENCE_DECAY for every 1 + G steps aside: where the regime's drafts are accepted
-    at 0.9 it drafts again once the weight is below 0.21 (6 blocks' worth: the 36th decision; at 5,
-    4.48 tokens), where they are accepted at 0.3 it stays aside. Without the aging (the deliberate
-    mistake: _age = 1) it never drafts again; a probe is ~600 steps away, longer than most requests.
-    A verified block then folds the aging into its counts."""
+    """A request whose two verified blocks had their first draft rejected steps aside (flat 10 ms
+    forward, 35 ms draft stages: drafting pays above 4.5 expected tokens a step; its own blocks put
+    draft 0 at 4 r / (4 + 1.75), 4.18 tokens at r = 0.97). Stepping aside verifies nothing, so its
+    evidence ages instead, EVIDENCE_DECAY for every 1 + G steps aside. Resuming must pay for its
+    first step, which verifies nothing (drafting_pays' resume_blocks: 4 blocks here, the request has
+    64 tokens left): (1 + 4 x tokens) / (45 + 4 x 45 ms) >= 1 / 10 ms needs 5.375 tokens. Where the
+    regime's drafts are accepted at 0.97 (5.56 tokens at most) it drafts again once the weight is
+    below 0.1 (8 blocks' worth: the 49th decision); at 0.9 (4.69 tokens at most) drafting would
+    pay once under way but not the step that resumes it, so it stays aside; at 0.3 it stays aside.
+    Without the aging (the deliberate mistake: _age = 1) it never drafts again; a probe is ~600
+    steps away, longer than most requests. A verified block then folds the aging into its counts."""
     eng = _engine(tiny_model, probe_every=1000, probe_max_every=1000, dspark_adaptive=True)
     eng.cost = flat_cost(fwd_s=0.010, draft_s=0.035)
     G = eng.gamma
     eng.calib.acceptance_rates = lambda reg, min_rows=8, fallback=None: [regime_rate] * G
-    s = _seq(max_tokens=64)
-    s.ell, s.last_c, s.conf_logits = 3, [0.5] * G, torch.zeros(G)
-    eng._account_verify(s, 0)  # draft 0 rejected
-    assert s.ev_trials == [1.0] + [0.0] * (G - 1) and s.aside == 0
+    s = _rejected_twice(eng)
+    assert s.ev_trials == [1.75] + [0.0] * (G - 1) and s.aside == 0
     decide = [eng._drafting_decision([s]) for _ in range(60)]
     drafts = [i for i, d in enumerate(decide) if d == "draft"]
     assert (drafts[0] if drafts else None) == first_draft, decide
     if first_draft is not None:
         assert s.aside == first_draft and set(decide[:first_draft]) == {"skip"}
         s.ell, s.last_c, s.conf_logits = 2, [0.5] * G, torch.zeros(G)
-        eng._account_verify(s, 2)  # aged by 0.75 ** 6, decayed by 0.75, then this block's counts
-        assert s.aside == 0 and s.ev_trials[0] == pytest.approx(0.75 ** 7 + 1.0)
+        eng._account_verify(s, 2)  # aged by 0.75 ** 8, decayed by 0.75, then this block's counts
+        assert s.aside == 0 and s.ev_trials[0] == pytest.approx(1.75 * 0.75 ** 9 + 1.0)
+
+
+def test_resuming_after_a_step_aside_pays_for_its_first_step(tiny_model, monkeypatch):
+    """The first drafting step after a stretch aside verifies nothing (the request has no block
+    yet): on the compiled path it costs a whole drafting round (~13.6 ms against ~3.7 ms plain) for
+    one token. At break-even that made DSpark switch back and forth (138 switches in 3 bench rounds,
+    unseen code, batch 1, T = 0) and lose ~4-5 %. Flat 10 ms forward, 35 ms draft stages, regime
+    at 0.9: once drafting it keeps drafting (4.69 tokens a step pays above 4.5), but after a step
+    aside it does not resume (the stretch's first step needs 5.375 tokens a block over 4 blocks);
+    where the request has only one block's worth of tokens left the bar is higher still (1 block:
+    (1 + tokens) / 90 ms needs 8 tokens) and a regime at 0.97 stays aside there too. A new request
+    is priced ordinarily (its first step verifies nothing under any policy). The deliberate
+    mistake, pricing the resuming step as an ordinary drafting step (resume_blocks 0), drafts again
+    at the 49th decision (3.6 / (4 + 1.75 w) reaches 0.855, 4.5 tokens)."""
+    eng = _engine(tiny_model, probe_every=1000, probe_max_every=1000, dspark_adaptive=True)
+    eng.cost = flat_cost(fwd_s=0.010, draft_s=0.035)
+    G = eng.gamma
+    rate = [0.9]
+    eng.calib.acceptance_rates = lambda reg, min_rows=8, fallback=None: [rate[0]] * G
+    s = _seq(max_tokens=64)
+    assert [eng._drafting_decision([s]) for _ in range(5)] == ["draft"] * 5  # under way: no resume
+    assert drafting_pays(eng.cost, [expected_survivals([0.9] * G)], resume_blocks=4)[0] is False
+    assert drafting_pays(eng.cost, [expected_survivals([0.97] * G)], resume_blocks=4)[0] is True
+    assert drafting_pays(eng.cost, [expected_survivals([0.97] * G)], resume_blocks=1)[0] is False
+
+    def aside_then_decide(n=60):
+        t = _rejected_twice(eng)
+        return t, [eng._drafting_decision([t]) for _ in range(n)]
+
+    _, decide = aside_then_decide()
+    assert "draft" not in decide, decide
+    # a new request (nothing verified, never aside) pays its first drafting step whatever the step
+    # before did: it is priced as fixed-length drafting prices it, ordinarily, so it drafts; priced
+    # as a resume (the mistake) a regime whose early blocks went badly stayed aside for good
+    fresh = _seq(max_tokens=64)
+    assert eng._skipped > 0 and eng._resume_blocks([fresh]) == 0 and eng._drafting_decision([fresh]) == "draft"
+    assert drafting_pays(eng.cost, [eng._expected_survivals(_seq(max_tokens=64))], resume_blocks=4)[0] is False
+    rate[0] = 0.97  # a regime that pays by a margin resumes ...
+    t, decide = aside_then_decide()
+    assert decide.index("draft") == 48, decide
+    eng._drafting_decision([t])  # (drafting again: the next verdict is an ordinary one)
+    eng._skipped = 1  # ... but not with one block's worth of tokens left
+    t.n_out = 58
+    assert eng._resume_blocks([t]) == 1 and eng._drafting_decision([t]) == "skip"
+    rate[0] = 0.9
+    monkeypatch.setattr(eng, "_resume_blocks", lambda seqs: 0)
+    _, decide = aside_then_decide()
+    assert decide.index("draft") == 48, decide
 
 
 def test_a_new_engine_explores_until_its_regime_has_verified_blocks(tiny_model):

@@ -43,7 +43,7 @@ class AdaptivePolicy:
         if self.settings.spec_mode != "dspark" or not self.adaptive:
             return "draft"
         surv = [self._expected_survivals(s) for s in seqs]
-        if self._pays(self.ensure_cost(), surv):
+        if self._pays(self.ensure_cost(), surv, self._resume_blocks(seqs)):
             self._skipped = 0
             self._probe_gap = self.settings.probe_every
             return "draft"
@@ -64,16 +64,39 @@ class AdaptivePolicy:
             return "probe"
         return "skip"
 
-    def _pays(self, cost, surv: list[list[float]]) -> bool:
+    def _pays(self, cost, surv: list[list[float]], resume: int = 0) -> bool:
         """`drafting_pays`, memoized on its inputs: while speculation steps aside they stay the same
         from step to step (the learned cost is one object until the learner refreshes, the survivals
         move only with new evidence), and its dozen step-cost lookups were a third of the host work
         a stepped-aside round added to a plain one (~35 of ~100 us a step, batch 1)."""
-        key = (cost, surv)
+        key = (cost, surv, resume)
         memo = self._pays_memo
-        if memo is None or memo[0][0] is not cost or memo[0][1] != surv:
-            memo = self._pays_memo = (key, drafting_pays(cost, surv)[0])
+        if memo is None or memo[0][0] is not cost or memo[0][1:] != key[1:]:
+            memo = self._pays_memo = (key, drafting_pays(cost, surv, resume_blocks=resume)[0])
         return memo[1]
+
+    # the drafting steps over which resuming must pay for its first one (drafting_pays'
+    # resume_blocks): a request's evidence forgets at EVIDENCE_DECAY a block, so it remembers
+    # 1 / (1 - 0.75) = 4 blocks, about how long a resumed stretch lasts before new evidence decides
+    # again. Why: resuming after a stretch aside pays a whole drafting step before its first block
+    # is verified (on the compiled path ~13.6 ms against a ~3.7 ms plain round, for one token).
+    # Priced as an ordinary drafting step, a request at break-even (unseen code, batch 1, T = 0:
+    # fixed-5 1.00x plain) switched between drafting and stepping aside 138 times in 3 bench rounds,
+    # and those first steps cost ~4-5 % (DSpark 0.93x max(plain, fixed-5); a traced run).
+    RESUME_BLOCKS = 4
+
+    def _resume_blocks(self, seqs: list[Seq]) -> int:
+        """0 while speculation drafts (or probed last step: the probe's block is pending), and for
+        requests that have not stepped aside (a new request pays its first drafting step whatever
+        the step before did, as fixed-length drafting does: pricing that step into its verdict kept
+        a regime whose first blocks went badly aside for good -- held-out prompts, batch 1, T = 0:
+        0.87x fixed-5 -- since a probe verifies one draft a row); after a step aside of a request
+        under way, the blocks a resumed stretch is priced over: RESUME_BLOCKS, fewer where the
+        requests have fewer blocks' worth of tokens left (at most 1 + G tokens a block), at least 1."""
+        if not self._skipped or not any(s.aside for s in seqs):
+            return 0
+        left = sum(s.req.max_tokens - s.n_out for s in seqs) / len(seqs)
+        return max(1, min(self.RESUME_BLOCKS, math.ceil((left - 1) / (1 + self.gamma))))
 
     # the share of plain decoding's time that probing may take while speculation steps aside. 1 %, not
     # the 3 % the budget allows: where speculation steps aside DSpark should read >= 0.98x plain, and

@@ -190,19 +190,29 @@ def expected_survivals(rates: Sequence[float]) -> list[float]:
     return out
 
 
-def drafting_pays(cost: StepCost, survivals_per_seq: list[list[float]], extra_tokens: int = 0) -> tuple[bool, int]:
+def drafting_pays(cost: StepCost, survivals_per_seq: list[list[float]], extra_tokens: int = 0,
+                  resume_blocks: int = 0) -> tuple[bool, int]:
     """(draft this step?, the uniform draft length that looked best). Plain decoding commits R
     tokens in t_forward(R + extra); drafting l per request commits sum_r (1 + a_r[:l].sum()) in
-    t_forward(R (1 + l) + extra) + t_draft(R)."""
+    t_forward(R (1 + l) + extra) + t_draft(R).
+
+    resume_blocks = H > 0: speculation stepped aside last step, so this step's drafting has no block
+    to verify yet: it commits R tokens in t_step(R + extra, R, R) (on static rounds the whole drafting
+    round), and the H steps after it commit the blocks. The verdict then prices that stretch,
+    (R + H tokens(l)) / (t_step(R + extra, R, R) + H t_step(R (1 + l) + extra, R, R)), against plain
+    decoding: resuming must pay for its first step."""
     R = len(survivals_per_seq)
     if R == 0:
         return False, 0
     G = len(survivals_per_seq[0])
     plain = R / float(cost.t_step(R + extra_tokens, R, 0))
+    H = resume_blocks
+    first = float(cost.t_step(R + extra_tokens, R, R)) if H else 0.0
     best, best_l = plain, 0
     for ell in range(1, G + 1):
         tokens = sum(1 + sum(a[:ell]) for a in survivals_per_seq)
-        rate = tokens / float(cost.t_step(R * (1 + ell) + extra_tokens, R, R))
+        t = float(cost.t_step(R * (1 + ell) + extra_tokens, R, R))
+        rate = (R + H * tokens) / (first + H * t) if H else tokens / t
         if rate > best:
             best, best_l = rate, ell
     return best_l > 0, best_l
