@@ -31,6 +31,10 @@ class AdaptivePolicy:
         self._skipped = 0  # consecutive steps whose drafts stepped aside
         self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
         self._pays_memo = None  # ((cost, survivals), verdict) of the last `_pays`
+        # (cost, R, floor) of the last `_probe_floor`: once the probe gap is reached it is asked
+        # every step aside until the floor is, and its four step-cost lookups were the decision's
+        # largest host cost there; the learned cost is one object until the learner refreshes
+        self._floor_memo = None
 
     def _load_calibration(self) -> Calibration:
         if self.settings.calibration_path:
@@ -117,6 +121,9 @@ class AdaptivePolicy:
         batch 1 (~2 s of decoding); eagerly, where the draft stages cost about half a plain step,
         ~85 steps (~4 s)."""
         cost = self.ensure_cost()
+        memo = self._floor_memo
+        if memo is not None and memo[0] is cost and memo[1] == R:
+            return memo[2]
         plain = float(cost.t_step(R, R, 0))
         # x2: a probe's drafts are verified by the next round. On static rounds that round runs the
         # drafting round's verify graph (1 + G rows a sequence) instead of the plain one, and the static
@@ -126,9 +133,10 @@ class AdaptivePolicy:
         # again, an upper bound; on both paths (eagerly `extra` holds the verified rows already), so an
         # eager and a static engine probe at the same steps and a seeded request's tokens stay equal
         extra = 2 * (float(cost.t_step(2 * R, R, R)) - plain)
-        if not plain > 0 or not extra > 0:
-            return 0
-        return min(math.ceil(extra / (self.PROBE_SHARE * plain)), self.settings.probe_max_every)
+        floor = 0 if not plain > 0 or not extra > 0 else \
+            min(math.ceil(extra / (self.PROBE_SHARE * plain)), self.settings.probe_max_every)
+        self._floor_memo = (cost, R, floor)
+        return floor
 
     def _adaptive_plan(self, seqs: list[Seq], decision: str) -> dict:
         """The draft graph's admission inputs (static_round.draft_round), as `RoundPlan` fields

@@ -62,6 +62,8 @@ class Cell:
     def __init__(self, window: int):
         self.res: deque[float] = deque(maxlen=window)
         self.bs: deque[int] = deque(maxlen=window)
+        self._limits: tuple[float, float] | None = None  # (median, MAD) as of `_since` samples ago
+        self._since = 0
 
     def __len__(self) -> int:
         return len(self.res)
@@ -72,6 +74,19 @@ class Cell:
     def mad(self) -> float:
         m = self.median()
         return statistics.median(abs(r - m) for r in self.res)
+
+    def limits(self) -> tuple[float, float]:
+        """(median, MAD) of the window, recomputed once every REFRESH samples: every step paid
+        three sorts of the 64-sample window for them, the largest part of the learner's host work
+        on a stepped-aside compiled step (~4 ms at batch 1), and they move slowly."""
+        if self._limits is None or self._since >= REFRESH:
+            self._limits, self._since = (self.median(), self.mad()), 0
+        return self._limits
+
+    def add(self, r: float, B: int) -> None:
+        self.res.append(r)
+        self.bs.append(int(B))
+        self._since += 1
 
     def mean_b(self) -> float:
         return sum(self.bs) / len(self.bs)
@@ -104,13 +119,12 @@ class StepCostLearner:
         r = seconds / p
         lo, hi = 1.0 / BOUND, BOUND
         if len(cell) >= self.floor:
-            m = cell.median()
-            lim = max(4.0 * 1.4826 * cell.mad(), 0.1)
+            m, mad = cell.limits()
+            lim = max(4.0 * 1.4826 * mad, 0.1)
             lo, hi = max(lo, m - lim), min(hi, m + lim)
         rc = min(max(r, lo), hi)
         self.damped += rc != r
-        cell.res.append(rc)
-        cell.bs.append(int(B))
+        cell.add(rc, B)
         self.samples += 1
         self._fresh += 1
         if self._fresh >= REFRESH or len(cell) == self.floor:
