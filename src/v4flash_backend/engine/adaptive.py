@@ -30,7 +30,7 @@ class AdaptivePolicy:
         self._observed: list[tuple] = []
         self._skipped = 0  # consecutive steps whose drafts stepped aside
         self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
-        self._pays_memo = None  # ((cost, survivals), verdict) of the last `_pays`
+        self._pays_memo = None  # ((cost, survivals, resume blocks), verdict) of the last `_pays`
         # (cost, R, floor) of the last `_probe_floor`: once the probe gap is reached it is asked
         # every step aside until the floor is, and its four step-cost lookups were the decision's
         # largest host cost there; the learned cost is one object until the learner refreshes
