@@ -29,7 +29,8 @@ prints
 where a plain round commits 1, so drafting pays while ratio < tau, and gains at most tau / ratio at
 that acceptance, before the host's work per round and the prefill, which both modes pay. The numerics
 are `exact` (the CPU default's); $V4FLASH_F64_WEIGHTS (torch_ops.F64_WEIGHTS) picks which weights keep
-an fp64 copy, so an A/B of it is two runs.
+an fp64 copy. `--f64-weights none,experts` builds a runner under each mode and times all their graphs
+in one interleaved loop (one round-profile line a mode): the A/B on one host at one time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -87,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=0, help="torch.profiler's top N operators per graph")
     ap.add_argument("--tau", type=float, default=4.70, help="tokens a drafting round commits per sequence")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--f64-weights", default=None,
+                    help="F64_WEIGHTS modes to compare, comma-separated (e.g. none,experts): a runner "
+                         "each, their graphs timed interleaved; default $V4FLASH_F64_WEIGHTS's one")
     ap.add_argument("--kernels", action="store_true",
                     help="compile with per-kernel profiler events and list each graph's top kernels")
     args = ap.parse_args(argv)
@@ -98,32 +103,51 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     ops.set_numerics("exact")
     ckpt = args.checkpoint or default_checkpoint()
-    model = load_model(ckpt)
-    prompts, _ = load_prompts(ckpt, model, 16, None)
-    runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
-    print(f"fast-compile: batch={args.batch} graphs={graphs} seconds={secs:.1f}", flush=True)
-    calls = graph_calls(runner, args.batch)
-    samples: dict[str, list[float]] = {k: [] for k in calls}
-    with torch.inference_mode():
+    modes = args.f64_weights.split(",") if args.f64_weights else [torch_ops.F64_WEIGHTS]
+    if len(modes) > 1:
+        # every mode's graphs are re-traces of the same functions (a guard per weight copy)
+        torch._dynamo.config.recompile_limit = 16 * len(modes)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               256 * len(modes))
+    by_mode = {}
+    with torch.inference_mode():  # traced as they run below (a grad-mode change would re-trace them)
+        for mode in modes:
+            torch_ops.F64_WEIGHTS = mode  # read while tracing, and by the graphs' guards: set per call
+            model = load_model(ckpt)
+            prompts, _ = load_prompts(ckpt, model, 16, None)
+            runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
+            print(f"fast-compile: batch={args.batch} f64_weights={mode} graphs={graphs} seconds={secs:.1f}",
+                  flush=True)
+            by_mode[mode] = (runner, graph_calls(runner, args.batch))
+        keys = [(m, k) for m in modes for k in by_mode[m][1]]
+        samples: dict = {key: [] for key in keys}
+
+        def call(key):
+            torch_ops.F64_WEIGHTS = key[0]
+            return by_mode[key[0]][1][key[1]]()
+
         for _ in range(5):
-            for fn in calls.values():
-                fn()
-        for r in range(args.rounds):
-            names = list(calls)
-            for k in names[r % 3:] + names[:r % 3]:
+            for key in keys:
+                call(key)
+        for r in range(args.rounds):  # interleaved, the order rotating: a burst of load hits all alike
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 t0 = time.perf_counter()
-                calls[k]()
-                samples[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-    for k, v in samples.items():
-        print(f"  {k:>6}: {med[k]:.3f} ms [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}] over {len(v)} calls")
-    full = med["verify"] + med["draft"]
-    ratio = full / med["plain"]
-    print(f"round-profile: batch={args.batch} f64_weights={torch_ops.F64_WEIGHTS} plain_ms={med['plain']:.3f} "
-          f"verify_ms={med['verify']:.3f} "
-          f"draft_ms={med['draft']:.3f} drafting_round_ms={full:.3f} ratio={ratio:.2f}")
-    print(f"round-bound: tau={args.tau:.2f} drafting_pays_below_ratio={args.tau:.2f} "
-          f"max_gain={args.tau / ratio:.2f}", flush=True)
+                call(key)
+                samples[key].append(time.perf_counter() - t0)
+    for mode in modes:
+        med = {k: statistics.median(v) * 1e3 for (m, k), v in samples.items() if m == mode}
+        for (m, k), v in samples.items():
+            if m == mode:
+                print(f"  {k:>6}: {med[k]:.3f} ms [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}] over {len(v)} calls")
+        full = med["verify"] + med["draft"]
+        ratio = full / med["plain"]
+        print(f"round-profile: batch={args.batch} f64_weights={mode} plain_ms={med['plain']:.3f} "
+              f"verify_ms={med['verify']:.3f} "
+              f"draft_ms={med['draft']:.3f} drafting_round_ms={full:.3f} ratio={ratio:.2f}")
+        print(f"round-bound: tau={args.tau:.2f} drafting_pays_below_ratio={args.tau:.2f} "
+              f"max_gain={args.tau / ratio:.2f}", flush=True)
+    torch_ops.F64_WEIGHTS = modes[0]
+    calls = by_mode[modes[0]][1]
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from v4flash_backend import ops
+from v4flash_backend.formats import quant
 from v4flash_backend.ops import torch_ops
 
 
@@ -94,3 +95,31 @@ def test_fp64_weight_copies_give_the_same_bits(monkeypatch, kept):
     for _ in range(2):
         got = [torch_ops.linear_f32(x, w) for w in ws]
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_expert_stack_fp64_copies_serve_the_dense_form_only(monkeypatch):
+    """V4FLASH_F64_WEIGHTS=experts: the dense expert form (every expert of a stack on every row,
+    experts=None) multiplies an fp64 copy of the stack kept once; the routed form (slot entries
+    gathered by `experts`) keeps gathering from the fp32 copy. The bits are those of 'none' either way
+    (tolerance 0: the conversion is exact). The copy's presence is checked so that a mode that keeps
+    nothing, or keeps the routed form's too, fails."""
+    monkeypatch.setattr(ops, "_numerics", "exact")
+    g = torch.Generator().manual_seed(1)
+    stack_q, stack_s = zip(*(quant.quantize_fp4_weight(torch.randn(32, 64, generator=g)) for _ in range(3)))
+    stack_q, stack_s = torch.stack(stack_q), torch.stack(stack_s)
+    dense_x = torch.randn(3, 4, 64, generator=g).to(torch.bfloat16)  # [experts, rows, K]
+    routed_x = torch.randn(2, 1, 64, generator=g).to(torch.bfloat16)  # [slots, 1, K]
+    slots = torch.tensor([2, -1])
+    monkeypatch.setattr(torch_ops, "F64_WEIGHTS", "none")
+    want_dense = torch_ops.linear_fp4(dense_x, stack_q, stack_s)
+    want_routed = torch_ops.linear_fp4(routed_x, stack_q, stack_s, slots)
+    monkeypatch.setattr(torch_ops, "F64_WEIGHTS", "experts")
+    monkeypatch.setattr(torch_ops, "_cache64", torch_ops._DequantCache())
+    got_routed = torch_ops.linear_fp4(routed_x, stack_q, stack_s, slots)
+    assert torch.equal(got_routed, want_routed)
+    assert len(torch_ops._cache64._d) == 0  # the routed form made no fp64 copy
+    for _ in range(2):
+        assert torch.equal(torch_ops.linear_fp4(dense_x, stack_q, stack_s), want_dense)
+    kept = list(torch_ops._cache64._d.values())
+    assert len(kept) == 1 and kept[0][0] is stack_q and kept[0][1].dtype == torch.float64
+    assert torch.equal(torch_ops.linear_fp4(routed_x, stack_q, stack_s, slots), want_routed)

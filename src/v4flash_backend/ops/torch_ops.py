@@ -77,10 +77,16 @@ _cache64 = _DequantCache()  # fp64 copies of weights ('exact' numerics: `_f64`)
 
 # Which weights 'exact' numerics keep an fp64 copy of, rather than converting them in every call:
 # 'none'; 'f32' (the fp32 ones: the LM head, the Markov and confidence heads, the compressors, the mHC
-# projections); 'all' (also the dequantized fp8 / fp4 ones, expert stacks included). The same fp64
-# operands either way (the conversion is exact), so the same bits. Default 'none' (no copies, as before):
-# 'f32' has not measured faster beyond the noise of a shared 2-core machine (perf/round_profile.py).
-F64_WEIGHTS = os.environ.get("V4FLASH_F64_WEIGHTS", "none")
+# projections); 'experts' (the expert stacks where the dense form runs every expert on every row: the
+# compiled drafting round's 6-row verify, the draft stages, batch 8's rounds); 'all' (every fp32 and
+# dequantized fp8 / fp4 weight). The same fp64 operands either way (the conversion is exact), so the
+# same bits. Default 'experts': `perf/round_profile.py --f64-weights none,experts` put the batch-1
+# verify graph 4 % faster with the plain round unchanged; 'all' and 'f32' made the plain round slower
+# or did not measure beyond the noise of a shared 2-core machine.
+F64_MODES = ("none", "f32", "experts", "all")
+F64_WEIGHTS = os.environ.get("V4FLASH_F64_WEIGHTS", "experts")
+if F64_WEIGHTS not in F64_MODES:
+    raise ValueError(f"V4FLASH_F64_WEIGHTS={F64_WEIGHTS!r}: choose one of {', '.join(F64_MODES)}")
 
 
 def _f64(w: torch.Tensor, kind: str = "f32", make=None) -> torch.Tensor:
@@ -90,6 +96,16 @@ def _f64(w: torch.Tensor, kind: str = "f32", make=None) -> torch.Tensor:
     if F64_WEIGHTS == "all" or F64_WEIGHTS == kind:
         return _cache64.get(w, make)
     return make()
+
+
+def _f64_quantized(weight: torch.Tensor, wf: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    """The dequantized fp32 copy wf of a quantized weight, or its kept fp64 copy where F64_WEIGHTS
+    keeps it: 'all', or 'experts' for an expert stack (3-D) that the dense form runs whole (experts
+    None). The routed form gathers its slots' entries from the fp32 copy: gathering fp64 entries made
+    the batch-1 plain round slower than gathering fp32 ones and converting them."""
+    if _exact() and (F64_WEIGHTS == "all" or (F64_WEIGHTS == "experts" and weight.dim() == 3 and experts is None)):
+        return _f64(weight, F64_WEIGHTS, lambda: wf.double())
+    return wf
 
 
 def _batched(deq, weight, scale):
@@ -119,9 +135,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] bf16 @ fp8 weight [N, K] (or a stack [E, N, K] with x [E, T, K]; with `experts` [E']
     x [E', T, K] meets those entries of the stack, gathered from its dequantized copy)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp8_weight, weight, scale))
-    if _exact() and F64_WEIGHTS == "all":
-        wf = _f64(weight, "all", lambda: wf.double())
-    return _routed(quant.fp8_act_dequant_f32(x), wf, experts)
+    return _routed(quant.fp8_act_dequant_f32(x), _f64_quantized(weight, wf, experts), experts)
 
 
 def _routed(xq: torch.Tensor, wf: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
@@ -138,9 +152,7 @@ def linear_fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] bf16 @ MXFP4 weight [N, K/2] (or a stack [E, N, K/2] with x [E, T, K]; `experts` as
     linear_fp8's)."""
     wf = _cache.get(weight, lambda: _batched(quant.dequant_fp4_weight, weight, scale))
-    if _exact() and F64_WEIGHTS == "all":
-        wf = _f64(weight, "all", lambda: wf.double())
-    return _routed(quant.fp8_act_dequant_f32(x), wf, experts)
+    return _routed(quant.fp8_act_dequant_f32(x), _f64_quantized(weight, wf, experts), experts)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
