@@ -78,7 +78,7 @@ class Cell:
     def limits(self) -> tuple[float, float]:
         """(median, MAD) of the window, recomputed once every REFRESH samples: every step paid
         three sorts of the 64-sample window for them, the largest part of the learner's host work
-        on a stepped-aside compiled step (~4 ms at batch 1), and they move slowly."""
+        on a stepped-aside compiled step (a ~4 ms round at batch 1), and they move slowly."""
         if self._limits is None or self._since >= REFRESH:
             self._limits, self._since = (self.median(), self.mad()), 0
         return self._limits

@@ -104,7 +104,7 @@ def _f64_quantized(weight: torch.Tensor, wf: torch.Tensor, experts: torch.Tensor
     None). The routed form gathers its slots' entries from the fp32 copy: gathering fp64 entries made
     the batch-1 plain round slower than gathering fp32 ones and converting them."""
     if _exact() and (F64_WEIGHTS == "all" or (F64_WEIGHTS == "experts" and weight.dim() == 3 and experts is None)):
-        return _f64(weight, F64_WEIGHTS, lambda: wf.double())
+        return _cache64.get(weight, wf.double)
     return wf
 
 
