@@ -34,6 +34,11 @@ left out; nan where it admitted none), then per mode that drafts
     stepcost: batch=<B> temp=<T> mode=<m> model=profile|learned steps=<n> measured_over_model=<r> [q1-q3]
 (every decode step's measured seconds over the start-up profile's t_step; and, over the steps taken
 once the learned cost had moved off the profile, over the learned cost as it stood before the step),
+then per mode where its time went, over all rounds of the cell (steps that prefill -- a drafting
+mode's draft its first block there, eagerly -- decode steps that draft nothing, decode steps that
+draft: count, total seconds, median milliseconds)
+    split: batch=<B> temp=<T> mode=<m> prefill_steps=<n> prefill_s=<s> prefill_ms=<ms>
+           undrafted_steps=<n> undrafted_s=<s> undrafted_ms=<ms> drafting_steps=<n> drafting_s=<s> drafting_ms=<ms>
 and it ends with
     dspark: batch=1 temp=0 plain_tok_s=A dspark_tok_s=B speedup=X tau=T
 """
@@ -180,9 +185,10 @@ class ModeRun:
     def __init__(self, model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                  adaptive: bool = True, reference: list | None = None, outputs: list | None = None,
                  steps: list | None = None, learned: tuple | None = None, online: bool = True,
-                 admitted: list | None = None, runner=None):
+                 admitted: list | None = None, runner=None, split: dict | None = None):
         self.mode, self.prompts, self.batch, self.max_tokens, self.temp, self.seed = (
             mode, prompts, batch, max_tokens, temp, seed)
+        self.split = split  # {prefill | undrafted | drafting: [seconds of each such step]} (SPLIT_KINDS)
         self.cost, self.outputs, self.steps, self.admitted = cost, outputs, steps, admitted
         self.seconds = 0.0
         shared = runner is not None  # --fast: the batch's compiled runner, shared by the modes
@@ -232,10 +238,15 @@ class ModeRun:
                 # blocks this step verifies (a stepped-aside request holds none: its ell 0 is no choice)
                 self.admitted.extend(s.ell for s in eng.running if s.adm == "admit" and s.draft is not None)
             learned = eng.learned_cost() if dec and steps is not None else None
+            # a step with requests still to admit or prefilling prefills (its forward runs their prompts)
+            prefill = not eng.running or any(s.prefilling for s in eng.running)
             drafted0, ts = eng.totals["drafted"], time.perf_counter()
             books += ts - tb
             eng.step()
             te = time.perf_counter()
+            if self.split is not None:
+                kind = "prefill" if prefill else "drafting" if eng.totals["drafted"] > drafted0 else "undrafted"
+                self.split.setdefault(kind, []).append(te - ts)
             if dec and steps is not None:
                 R = (eng.totals["drafted"] - drafted0) // max(1, eng.gamma)
                 steps.append((te - ts, float(cost.t_step(B, S, R)), float(learned.t_step(B, S, R)),
@@ -262,7 +273,8 @@ def run(model, mode: str, prompts, batch: int, max_tokens: int, temp: float, cos
 def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: float, cost, seed: int,
                       rnd: int, adaptive: bool = True, reference: list | None = None,
                       outputs: dict | None = None, steps: dict | None = None, learned: dict | None = None,
-                      online: bool = True, admitted: dict | None = None, runner=None) -> dict:
+                      online: bool = True, admitted: dict | None = None, runner=None,
+                      split: dict | None = None) -> dict:
     """One round of every mode, interleaved group by group (each group of prompts runs in every mode
     before the next group starts; the order of the modes rotates with the group and the round), so
     a burst of load on the shared machine hits the modes alike instead of one mode's whole run.
@@ -270,12 +282,24 @@ def interleaved_round(model, modes, prompts, batch: int, max_tokens: int, temp: 
     carried over rounds (the calibration is the first engine's, then shared)."""
     runs = {m: ModeRun(model, m, prompts, batch, max_tokens, temp, cost, seed, adaptive, reference,
                        (outputs or {}).get(m), (steps or {}).get(m), (learned or {}).get(m), online,
-                       (admitted or {}).get(m), runner) for m in modes}
+                       (admitted or {}).get(m), runner, (split or {}).get(m)) for m in modes}
     for gi, g0 in enumerate(range(0, len(prompts), batch)):
         k = (rnd + gi) % len(modes)
         for m in modes[k:] + modes[:k]:
             runs[m].group(g0)
     return {m: r.result() for m, r in runs.items()}
+
+
+SPLIT_KINDS = ("prefill", "undrafted", "drafting")
+
+
+def split_line(b: int, t: float, mode: str, split: dict) -> str:
+    """The `split:` line of one mode in one cell (see the module docstring)."""
+    parts = []
+    for k in SPLIT_KINDS:
+        v = split.get(k, [])
+        parts.append(f"{k}_steps={len(v)} {k}_s={sum(v):.3f} {k}_ms={median_or_nan(v) * 1e3:.2f}")
+    return f"split: batch={b} temp={t:g} mode={NAMES[mode]} " + " ".join(parts)
 
 
 def median_or_nan(values: list) -> float:
@@ -354,11 +378,12 @@ def main(argv=None) -> int:
             res = {m: [] for m in modes}
             steps: dict[str, list] = {}
             admitted: dict[str, list] = {m: [] for m in modes}
+            split: dict[str, dict] = {m: {} for m in modes}
             for rnd in range(args.rounds):
                 outs = {"oracle": [[] for _ in prompts]} if "oracle" in modes else {}
                 got = interleaved_round(model, modes, prompts, b, args.max_tokens, t, costs[b], 1000 * rnd, rnd,
                                         args.adaptive, reference, outs, {m: steps.setdefault(m, []) for m in modes},
-                                        learned, args.online, admitted, runners.get(b))
+                                        learned, args.online, admitted, runners.get(b), split)
                 for m in modes:
                     res[m].append(got[m])
                 if outs and outs["oracle"] != reference:
@@ -379,6 +404,8 @@ def main(argv=None) -> int:
                         q = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3
                         print(f"stepcost: batch={b} temp={t:g} mode={NAMES[m]} model={name} steps={len(ratio)} "
                               f"measured_over_model={statistics.median(ratio):.2f} [{q[0]:.2f}-{q[-1]:.2f}]")
+            for m in modes:
+                print(split_line(b, t, m, split[m]))
             if "oracle" in res:
                 mo = statistics.median(r["tok_s"] for r in res["oracle"])
                 print(f"oracle: batch={b} temp={t:g} oracle_tok_s={mo:.1f} oracle_vs_plain={mo / med['off']:.2f} "

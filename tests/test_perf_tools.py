@@ -82,3 +82,36 @@ def test_perf_scripts_import_what_the_package_has():
                 missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                             if not hasattr(mod, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert not missing, missing
+
+
+# ---- perf/bench_dspark.py: where each mode's time went ------------------------------------------
+@pytest.mark.slow
+def test_bench_dspark_splits_each_mode_by_step_kind():
+    """The `split:` lines come from the engine's real steps (eager path, 2 held-out prompts at batch
+    1, ~10 s): each request prefills in one step (its prompt is shorter than a prefill chunk), plain
+    decoding drafts in none of its steps, fixed-5 drafts (its first block at the prefill, so its
+    decode steps that draft are all but the last), and every step of a mode lands in one kind."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "perf" / "bench_dspark.py"), "--rounds", "1", "--batches", "1",
+                          "--temps", "0", "--max-tokens", "6", "--num-prompts", "2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("split: "):
+            f = dict(kv.split("=") for kv in line.split()[1:])
+            rows[f["mode"]] = f
+    assert set(rows) == {"plain", "dspark", "fixed-5"}, out
+    for mode, f in rows.items():
+        assert int(f["prefill_steps"]) == 2, (mode, f)
+        assert float(f["prefill_s"]) > 0 and float(f["prefill_ms"]) > 0
+    assert int(rows["plain"]["drafting_steps"]) == 0 and float(rows["plain"]["drafting_s"]) == 0
+    assert int(rows["plain"]["undrafted_steps"]) >= 2 * 5  # 5 decode steps a request after its first token
+    fixed = rows["fixed-5"]
+    assert int(fixed["drafting_steps"]) >= 1 and float(fixed["drafting_ms"]) > 0
+    # fixed-5 drafts after every step but a request's last (which has no room left to draft into)
+    assert int(fixed["undrafted_steps"]) <= 2
+    cell = re.search(r"cell: batch=1 temp=0 plain_tok_s=([0-9.]+)", out)
+    assert cell and float(cell.group(1)) > 0
