@@ -97,6 +97,13 @@ def test_static_round_serves_the_eager_tokens(tiny_model, mode):
         # engine's sampling and acceptance (the forward itself reads little since issue 30)
         assert est["host_syncs_per_step"] > 2
         assert st["admitted"] == est["admitted"] and st["accepted"] == est["accepted"]
+        # the first block after the prefill came from the round's draft graph, not the eager drafter
+        assert st["first_block_graphs"] == 1 and est["first_block_graphs"] == 0
+    # a budget that leaves the first block one draft of room (3 tokens: the prefill's, one draft, the bonus)
+    want, est = _run(LocalRunner(tiny_model, 3, 64), 0.8, mode, max_tokens=3)
+    got, st = _run(StaticRunner(tiny_model, 2, 64, settings=NeuronSettings(backend="none")), 0.8, mode, max_tokens=3)
+    assert got == want and len(got) == 3 and st["first_block_graphs"] == 1
+    assert st["admitted"] == est["admitted"] == 1 and st["accepted"] == est["accepted"]
 
 
 def test_a_round_whose_bucket_is_cold_runs_padded_in_a_warm_larger_one(tiny_model):

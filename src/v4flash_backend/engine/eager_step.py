@@ -41,7 +41,11 @@ class EagerStep:
         self._prefill_chunks(out, logits_at, prefill, None if self.spec and not want_taps else writes, draft_seqs)
         self._retire_finished()
         if self.spec:
-            self._draft([w for w in writes if any(w[0] == s.slot for s in self.running)], draft_seqs, decision)
+            writes = [w for w in writes if any(w[0] == s.slot for s in self.running)]
+            # a step that only prefilled drafts its requests' first blocks in the static round's draft
+            # graph where the runner has one warm (round_step._first_blocks_static), else on the host
+            if decode or not self._first_blocks_static(writes, draft_seqs, decision):
+                self._draft(writes, draft_seqs, decision)
 
     def _eager_batch(self) -> tuple[list, list, list, list, list]:
         """The step's flattened batch: (tokens, segments [(slot, start, n)], logits rows, decode

@@ -4,6 +4,8 @@ A mixin of `Engine`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from v4flash_backend.engine.round_plan import STOP_WIDTH, RoundPlan, RoundResult, filters_sampling
@@ -72,6 +74,44 @@ class StaticRoundStep:
         self._retire_finished()
         self.decode_totals["static_steps"] += 1
         self._count_step(before)
+
+    def _first_blocks_static(self, writes, seqs: list[Seq], decision: str) -> bool:
+        """After a step that only prefilled (no decode rows), the first draft blocks of the requests
+        whose prefill it completed, drafted by the static round's draft graph (`runner.first_blocks`)
+        instead of the eager drafter; False (nothing done) where the runner has no warm round graphs
+        for them or the round would be the processed variant, and `_draft` drafts on the host. Why:
+        the eager draft stages cost ~21 ms a request on an AMD EPYC (~26 ms of a drafting mode's
+        +27 ms a 49-token prefill, `perf/bench_dspark.py --fast`'s split: lines) against ~5 ms for
+        the compiled draft graph; the block then stays on the device for the first round. Same
+        block, same tokens: the graph drafts from the same rings at the same anchor with the same
+        round's noise, admission and calibration as the eager `_draft` (tests/test_static_round.py)."""
+        r = self.runner
+        if (decision == "skip" or not seqs or not r.static_rounds or not hasattr(r, "first_blocks")
+                or self._round_processed(seqs) or any(len(x) > STOP_WIDTH for x in self._stop_lists(seqs))
+                or not r.round_fits(len(seqs), max(s.n_cached for s in seqs), False, plain=False)):
+            return False
+        if writes:  # the prompt rows into the rings (the draft graph writes the last one again)
+            r.dspark(writes, [])
+        dspark = self.settings.spec_mode == "dspark"
+        plan = self._round_plan(seqs, decision, dspark, False)
+        # as if a round had just committed the first token: it sits at the last prompt position + 1,
+        # the budget counts it, and its drafting noise is the prefill's round (eager: rounds - 1)
+        plan = dataclasses.replace(plan, start=[s.n_cached - 1 for s in seqs],
+                                   budget=[s.req.max_tokens - s.n_out + 1 for s in seqs],
+                                   rnd=[s.rounds - 1 for s in seqs])
+        out = RoundResult.rows(r.first_blocks(plan), False)
+        for s, row in zip(seqs, out):
+            s.ell, s.draft = row.next_ell, ON_DEVICE
+            s.adm = ("probe" if decision == "probe" else "explore" if self._explore else "admit") \
+                if dspark else "fixed"
+            s.conf_logits = row.confidence()
+            s.drafted += self.gamma
+        self.totals["drafted"] += self.gamma * len(seqs)
+        if decision == "probe":
+            self.totals["draft_probes"] += 1
+        if self.adaptive and dspark:  # as _draft: the blocks' calibrated confidences become last_c
+            self._calibrated(seqs, torch.stack([s.conf_logits for s in seqs]))
+        return True
 
     def _sync_round_state(self, seqs: list[Seq], processed: bool) -> None:
         """What the round reads from the runner's per-slot state made current: a block drafted on

@@ -59,6 +59,8 @@ class EngineStats:
                  startup_graphs_loaded=c.get("startup_graphs_loaded", 0),
                  startup_graphs_traced=c.get("startup_graphs_traced", 0),  # by dynamo (0: all bound)
                  prefill_graphs=c.get("prefill_graphs", 0),
+                 # first draft blocks after a prefill by the round's draft graph (round_step._first_blocks_static)
+                 first_block_graphs=c.get("first_block_graphs", 0),
                  boundary_resident_moves=c.get("boundary_resident_moves"),
                  boundary_reads=c.get("boundary_reads"),
                  plain_decode_rounds=c.get("plain_decode_rounds", 0),

@@ -7,7 +7,9 @@ want_taps); body = tokens[T], (slot, start, n)[S], rows[L]. DSPARK: a = (writes,
 per write (slot, m, rows[m], positions[m]), then (slot, p, anchor) per item. ROUND (a static
 decode round, decode_graph static): a = (S, stop width, spec mode (+ 4: the logit-processing variant,
 with the n_out / min_tokens and frequency / presence columns), fixed_len); body = `pack_round`'s
-int64 columns, float64 columns as bits, stop ids, the SPS table. LOAD_BLOCK: a host-drafted draft
+int64 columns, float64 columns as bits, stop ids, the SPS table. FIRST_BLOCK: a round plan as ROUND's,
+for `first_blocks` (the draft graph alone after a prefill; each rank takes the taps from its own
+last forward). LOAD_BLOCK: a host-drafted draft
 block into every rank's per-slot block state (`pack_block`). PREFIX_SAVE: a = (slot, entry, p, q0);
 PREFIX_LOAD: a = (slot, n), body = the chain's n entry ids; PREFIX_DROP: a0 = n, body = the entry
 ids (engine.prefix_cache). COUNTS: a = (slot, n), body = the slot's n generated ids (the processed
@@ -32,10 +34,11 @@ HDR = 8
 OP_NOOP, OP_STOP, OP_GROW, OP_RESET, OP_FORWARD, OP_DSPARK, OP_ROUND, OP_LOAD_BLOCK, OP_COUNTS = range(9)
 # the prefix cache (engine.prefix_cache): every rank keeps and restores its own shard of an entry
 OP_PREFIX_SAVE, OP_PREFIX_LOAD, OP_PREFIX_DROP = range(9, 12)
+OP_FIRST_BLOCK = 12  # the first draft blocks after a prefill, by the round's draft graph (a ROUND's codec)
 OP_NAMES = {OP_NOOP: "noop", OP_STOP: "stop", OP_GROW: "grow", OP_RESET: "reset_slot",
             OP_FORWARD: "forward", OP_DSPARK: "dspark", OP_ROUND: "decode_round", OP_LOAD_BLOCK: "load_block",
             OP_COUNTS: "set_counts", OP_PREFIX_SAVE: "save_prefix", OP_PREFIX_LOAD: "load_prefix",
-            OP_PREFIX_DROP: "drop_prefix"}
+            OP_PREFIX_DROP: "drop_prefix", OP_FIRST_BLOCK: "first_blocks"}
 _ROWS = {"last": -1, "all": -2, "none": -3}
 _ROWS_INV = {v: k for k, v in _ROWS.items()}
 

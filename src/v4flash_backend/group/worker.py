@@ -49,6 +49,7 @@ from v4flash_backend.group.plan_codec import (
     MAGIC,
     OP_COUNTS,
     OP_DSPARK,
+    OP_FIRST_BLOCK,
     OP_FORWARD,
     OP_GROW,
     OP_LOAD_BLOCK,
@@ -118,6 +119,14 @@ class PlanRunner:
         self.coll.begin_step()
         self._send(OP_ROUND, a, body)
         out = self.local.decode_round(plan)
+        self.coll.end_step()
+        return out
+
+    def first_blocks(self, plan):
+        a, body = pack_round(plan)
+        self.coll.begin_step()
+        self._send(OP_FIRST_BLOCK, a, body)
+        out = self.local.first_blocks(plan)
         self.coll.end_step()
         return out
 
@@ -249,6 +258,10 @@ def follow(local, coll, plan_size: int = 2048, src: int = 0, drafts: bool = True
         elif op == OP_ROUND:
             coll.begin_step()
             local.decode_round(unpack_round(a, body))
+            coll.end_step()
+        elif op == OP_FIRST_BLOCK:  # the round's draft graph (its collectives run on every rank, as ROUND's)
+            coll.begin_step()
+            local.first_blocks(unpack_round(a, body))
             coll.end_step()
         elif op == OP_LOAD_BLOCK:
             local.load_block(*unpack_block(a, body))

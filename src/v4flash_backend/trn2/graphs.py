@@ -182,6 +182,29 @@ class StaticGraphs:
         self._ran(g2)
         return out
 
+    def first_block(self, b: Bucket, mode: str, fixed_len: int, x: dict, taps: torch.Tensor) -> torch.Tensor:
+        """Graph 2 alone, for requests whose prefill an eager step has just completed (their first
+        token sampled on the host, their prompt rows in the DSpark rings): their first draft block,
+        drafted by the round's own draft graph instead of the eager drafter. x: a round plan's
+        inputs (`RoundPlan.inputs`) whose start is each request's last prompt position, pending its
+        first token (the block's anchor), n 1 (0: a padding sequence), budget the tokens left before
+        that first token and rnd its round; taps [S*Q, taps*D] in the verify graph's layout, row
+        i*Q the request's last prompt row. As if graph 1 had committed that one token: the draft
+        graph writes its row into the rings (again: the eager write put the same row there) and
+        drafts at the token. Returns the [S, 2G+5] read-back (next ell, confidences)."""
+        S, G = b.seqs, b.rows - 1
+        live = x["n"] > 0
+        committed = live.long()
+        tokens_out = torch.full((S, G + 1), -1, dtype=torch.long, device=live.device)
+        tokens_out[:, 0] = torch.where(live, x["pending"], tokens_out[:, 0])
+        zero = torch.zeros(S, dtype=torch.long, device=live.device)
+        g2 = self.round_draft_graph(b, mode, fixed_len, False)
+        out = g2(taps, committed, tokens_out, zero, zero.bool(), x["slot"], x["start"], x["n"], x["temperature"],
+                 x["top_k"], x["top_p"], x["seed"], x["rnd"], x["budget"], x["len_left"], x["sps_t"],
+                 x["t_draft"], x["cal"], x["fixed_ell"])
+        self._ran(g2)
+        return out
+
     def verify_graph(self, b: Bucket):
         if b not in self._verify:
             dec = self.decoder
