@@ -307,6 +307,7 @@ def _check_compiled_group(got, want, st, world):
     assert e["graphs_compiled"] == 3, "a graph was re-traced while serving (or more than one per entry point)"
     assert e["prefill_graphs"] == 2  # one 9-token prompt chunk per request, through the compiled prefill graph
     assert e["prefill_step_eager_forwards"] == 0
+    assert e["first_block_graphs"] == 2  # each request's first block by the draft graph on every rank (FIRST_BLOCK)
     assert e["graphs_per_step"] == 2 and e["host_syncs_per_step"] == 0
     traced = {k: v for k, v in st["collectives_total"].items() if k.startswith("graph.")}
     assert traced and all(v["calls"] > 0 for v in traced.values()), st["collectives_total"]
