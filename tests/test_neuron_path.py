@@ -228,4 +228,6 @@ def test_static_runner_drives_the_engine(tiny_model):
     assert got == want and len(got) == 10
     decode_steps = steps - 1  # the first step is the prefill (eager)
     assert decode_steps >= 1 and st["static_steps"] == decode_steps
-    assert sr.graphs.executions == 2 * decode_steps and st["graphs_per_step"] == 2
+    # + 1: the prefill's first block, drafted by the round's draft graph (round_step._first_blocks_static)
+    assert sr.graphs.executions == 2 * decode_steps + 1 and st["graphs_per_step"] == 2
+    assert st["first_block_graphs"] == 1

@@ -80,9 +80,9 @@ class StaticRoundStep:
         whose prefill it completed, drafted by the static round's draft graph (`runner.first_blocks`)
         instead of the eager drafter; False (nothing done) where the runner has no warm round graphs
         for them or the round would be the processed variant, and `_draft` drafts on the host. Why:
-        the eager draft stages cost ~21 ms a request on an AMD EPYC (~26 ms of a drafting mode's
-        +27 ms a 49-token prefill, `perf/bench_dspark.py --fast`'s split: lines) against ~5 ms for
-        the compiled draft graph; the block then stays on the device for the first round. Same
+        drafting eagerly made a drafting mode's prefill +27 ms a 49-token prompt on an AMD EPYC (the
+        eager draft stages ~21 ms of it), +15 ms with the graph (`perf/bench_dspark.py --fast`'s
+        split: lines), and the block stays on the device for the first round. Same
         block, same tokens: the graph drafts from the same rings at the same anchor with the same
         round's noise, admission and calibration as the eager `_draft` (tests/test_static_round.py)."""
         r = self.runner

@@ -60,6 +60,11 @@ class Runner(Protocol):
     def decode_round(self, plan: RoundPlan) -> list[list[int]]:
         """One decode round in the static graphs (trn2.static_round); one read-back row a sequence."""
 
+    def first_blocks(self, plan: RoundPlan) -> list[list[int]]:
+        """The first draft blocks of requests whose prefill the last forward completed, by the static
+        round's draft graph (trn2.static_runner; `plan` as a round's that has just committed the first
+        token); one read-back row a sequence."""
+
     def load_block(self, slot: int, block) -> None:
         """A draft block drafted on the host into the slot's device-resident block."""
 
@@ -168,6 +173,9 @@ class LocalRunner:
         return False
 
     def decode_round(self, plan: RoundPlan) -> list[list[int]]:
+        raise NotImplementedError(f"{type(self).__name__} has no static decode rounds (decode_graph eager)")
+
+    def first_blocks(self, plan: RoundPlan) -> list[list[int]]:
         raise NotImplementedError(f"{type(self).__name__} has no static decode rounds (decode_graph eager)")
 
     def load_block(self, slot: int, block) -> None:

@@ -85,7 +85,7 @@ class StaticRunner(LocalRunner):
                                         label="plain")
         self.counters.update(prefill_graphs=0, forward_graphs=0, eager_forwards=0, plain_decode_rounds=0,
                              first_block_graphs=0)
-        self.last_spec: list = []  # the last forward's segments (first_blocks finds its tap rows by them)
+        self.last_spec: list = []  # the last forward's segments (first_blocks finds its tap rows there)
         if self.drafter is not None:  # the engine's eager drafting calls the heads with host tensors
             self.drafter = _HostDrafter(self.drafter, self)
 
@@ -346,17 +346,10 @@ class StaticRunner(LocalRunner):
         return mode == "off" and self.ngraphs is not None and all(e <= 0 for e in plan.ell)
 
     def first_blocks(self, plan: RoundPlan) -> list[list[int]]:
-        """The first draft blocks of requests whose prefill the last forward completed, by the
-        decode bucket's draft graph (`StaticGraphs.first_block`) instead of the eager drafter: ~5 ms
-        compiled against ~21 ms of eager draft stages a request (an AMD EPYC), and the block stays
-        on the device (no load_block). plan: `Engine._first_blocks_static`'s (start = the last
-        prompt position, pending = the first token, ell 0); the taps are the last forward's rows
-        at those positions (every rank ran that forward: no taps cross ranks). One read-back row a
-        sequence, as decode_round's."""
+        """`StaticGraphs.first_block` on `Engine._first_blocks_static`'s plan; the taps are the last
+        forward's rows at the plan's positions (every rank ran that forward: none cross ranks)."""
         b, x = self.round_inputs(plan)
-        taps = self.last_taps
-        offs, rows = {}, []
-        o = 0
+        taps, offs, rows, o = self.last_taps, {}, [], 0
         for sl, a, n in self.last_spec:
             offs[(sl, a + n - 1)] = o + n - 1
             o += n
@@ -364,14 +357,11 @@ class StaticRunner(LocalRunner):
             if (sl, a) not in offs or taps is None:
                 raise ValueError(f"first_blocks: slot {sl} position {a} is not a row of the last forward's taps")
             rows.append(offs[(sl, a)])
-        Q = b.rows
-        t = taps.new_zeros(b.seqs * Q, taps.shape[1])
-        t[torch.arange(plan.size, device=t.device) * Q] = taps[torch.tensor(rows, device=taps.device)]
+        t = taps.new_zeros(b.seqs * b.rows, taps.shape[1])
+        t[torch.arange(plan.size, device=t.device) * b.rows] = taps[torch.tensor(rows, device=taps.device)]
         before = self.graphs.executions
-        out = self.graphs.first_block(b, plan.spec_mode, int(plan.fixed_len), x, t)
-        rows_out = out[:plan.size].tolist()
-        h2d = sum(v.numel() * v.element_size() for v in x.values())
-        self._count(0, h2d, self.graphs.executions - before)
+        rows_out = self.graphs.first_block(b, plan.spec_mode, int(plan.fixed_len), x, t)[:plan.size].tolist()
+        self._count(0, sum(v.numel() * v.element_size() for v in x.values()), self.graphs.executions - before)
         self.counters["first_block_graphs"] += 1
         return rows_out
 
