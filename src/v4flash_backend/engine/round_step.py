@@ -86,7 +86,7 @@ class StaticRoundStep:
         block, same tokens: the graph drafts from the same rings at the same anchor with the same
         round's noise, admission and calibration as the eager `_draft` (tests/test_static_round.py)."""
         r = self.runner
-        if (decision == "skip" or not seqs or not r.static_rounds or not hasattr(r, "first_blocks")
+        if (decision == "skip" or not seqs or not r.static_rounds
                 or self._round_processed(seqs) or any(len(x) > STOP_WIDTH for x in self._stop_lists(seqs))
                 or not r.round_fits(len(seqs), max(s.n_cached for s in seqs), False, plain=False)):
             return False
@@ -101,17 +101,22 @@ class StaticRoundStep:
                                    rnd=[s.rounds - 1 for s in seqs])
         out = RoundResult.rows(r.first_blocks(plan), False)
         for s, row in zip(seqs, out):
-            s.ell, s.draft = row.next_ell, ON_DEVICE
-            s.adm = ("probe" if decision == "probe" else "explore" if self._explore else "admit") \
-                if dspark else "fixed"
-            s.conf_logits = row.confidence()
-            s.drafted += self.gamma
+            self._hold_block(s, row, decision)
         self.totals["drafted"] += self.gamma * len(seqs)
         if decision == "probe":
             self.totals["draft_probes"] += 1
         if self.adaptive and dspark:  # as _draft: the blocks' calibrated confidences become last_c
             self._calibrated(seqs, torch.stack([s.conf_logits for s in seqs]))
         return True
+
+    def _hold_block(self, s: Seq, row: RoundResult, decision: str) -> None:
+        """A block the draft graph left on the device for s (a round's, or a prefill's first): its
+        admitted length, kind of admission and confidence logits from the read-back row."""
+        s.ell, s.draft = row.next_ell, ON_DEVICE
+        s.adm = ("probe" if decision == "probe" else "explore" if self._explore else "admit") \
+            if self.settings.spec_mode == "dspark" else "fixed"
+        s.conf_logits = row.confidence()
+        s.drafted += self.gamma
 
     def _sync_round_state(self, seqs: list[Seq], processed: bool) -> None:
         """What the round reads from the runner's per-slot state made current: a block drafted on
@@ -157,7 +162,7 @@ class StaticRoundStep:
     def _commit_round_row(self, s: Seq, row: RoundResult, decision: str, processed: bool, in_sync: bool) -> bool:
         """Commit one request's row of the round's read-back; True when the round drafted it a new
         block (on the device, with its confidence logits from the row)."""
-        k, n_acc, stopped, nxt = row.committed, row.accepted, row.stopped, row.next_ell
+        k, n_acc, stopped = row.committed, row.accepted, row.stopped
         self._account_verify(s, n_acc)
         s.rounds += 1
         s.n_cached += k
@@ -173,10 +178,6 @@ class StaticRoundStep:
             s.draft, s.conf_logits, s.last_c, s.ell = None, None, None, 0
             self.totals["draft_skipped"] += 1
             return False
-        s.ell, s.draft = nxt, ON_DEVICE
-        s.adm = ("probe" if decision == "probe" else "explore" if self._explore else "admit") \
-            if self.settings.spec_mode == "dspark" else "fixed"
-        s.conf_logits = row.confidence()
-        s.drafted += self.gamma
+        self._hold_block(s, row, decision)
         self.totals["drafted"] += self.gamma
         return True
