@@ -38,7 +38,8 @@ greedy answers equal the reference. The RSS and open fds of the server's process
 the mean of the last fifth of the run minus the mean of the fifth after the warm-up (the
 first fifth), so startup allocation does not count. The growth is split by cause, over the
 same windows, from the server's own gauges: compile (v4flash:warmup_rss_bytes, what grew while the
-CPU default's background compile ran: by design, bounded by its graph sets), the
+CPU default's background compile ran, and its compile helper process's resident set: by design,
+bounded by its graph sets), the
 prefix cache (v4flash:prefix_cache_bytes: by design, bounded by prefix_cache_bytes) and the
 rest, which must stay under 50 MiB. The compile's share is what grew while its thread ran, freed
 or not, so the rest can read below zero: the group grew less than its compile allocated. With

@@ -137,8 +137,9 @@ class ServingMetrics:
         self.warmup_total = family("v4flash:warmup_graph_sets", "Sets of static graphs a background compile warms "
                                    "(the announced ones, and those traffic asked for)", F.GAUGE).Metric(labels=labels)
         self.warmup_rss = family("v4flash:warmup_rss_bytes",
-                                 "Resident bytes the background compile added (grown while its thread ran; "
-                                 "bounded by its graph sets)", F.GAUGE).Metric(labels=labels)
+                                 "Resident bytes the background compile added (grown while its thread ran, and "
+                                 "its helper process's resident set; bounded by its graph sets)",
+                                 F.GAUGE).Metric(labels=labels)
         by_kind = family("v4flash:decode_steps_by_kind",
                          "Decode steps by DSpark's decision: draft (verify + draft), probe (one draft "
                          "admitted), aside (stepped aside: no draft stages; 1 graph on the static path)", F.GAUGE)

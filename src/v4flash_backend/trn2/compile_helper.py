@@ -83,6 +83,12 @@ class CompileHelper:
             self._cv.notify_all()
         self.log(f"compile helper exited ({code}): the compile thread compiles what is left itself")
 
+    def rss_bytes(self) -> int:
+        """The process's resident set (0 once it exited: its pid may be another process's by then)."""
+        from .warmup import _rss_bytes
+
+        return 0 if self.exited else _rss_bytes(self.proc.pid)
+
     def want(self, key: tuple) -> None:
         """Compile `key` next (after the set in progress), as the server's queue does."""
         with self._lock:

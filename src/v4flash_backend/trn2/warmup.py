@@ -72,10 +72,11 @@ class CompileStopped(BaseException):
     dynamo's and inductor's `except Exception` handlers must not swallow it)."""
 
 
-def _rss_bytes() -> int:
-    """This process's resident set (/proc/self/statm; 0 where there is none)."""
+def _rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set, this one's by default (/proc/<pid>/statm; 0 where there is none:
+    another OS, or a process that exited)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
@@ -92,7 +93,11 @@ class StepGate:
     (`compile_paused` / `compile_resumed`): dynamo's and inductor's state, the graphs they made, their
     transient garbage -- bounded by the graph sets. It is an upper bound: what the serving thread
     allocates while the compile runs beside it (the compile's slice, about a fifth of a busy server's
-    time) counts too. perf/soak.py reports it apart from the rest."""
+    time) counts too. The compile helper process (compile_helper.py), which exists for the compile
+    alone, counts whole (`helper`): its resident set is the compile's too, and left out it read as
+    memory nothing explained -- a soak's restarted rank group on a 2-core AMD EPYC grew 74-86 MiB
+    beside a 1.7-6.9 MiB compile share, the helper 420 -> 529 MiB of it (its trace, ps every 2 s).
+    perf/soak.py reports it apart from the rest."""
 
     def __init__(self, lock):
         self.lock = lock
@@ -105,6 +110,7 @@ class StepGate:
         self._t0 = 0.0
         self._compile_rss = 0  # resident bytes that grew while the compile thread ran
         self._rss_mark: int | None = None  # the resident set when it last resumed (None: paused or done)
+        self.helper = None  # the compile helper (compile_helper.CompileHelper), if one was spawned
 
     def compiling(self, on: bool) -> None:
         """A background compile starts (the slice and the memory count begin) or ends."""
@@ -119,12 +125,18 @@ class StepGate:
         self._rss_mark = _rss_bytes()
 
     def compile_paused(self) -> None:
-        self._compile_rss, self._rss_mark = self.compile_rss_bytes(), None
+        self._compile_rss, self._rss_mark = self._own_rss_bytes(), None
 
-    def compile_rss_bytes(self) -> int:
-        """Resident memory the background compile added so far (class docstring)."""
+    def _own_rss_bytes(self) -> int:
+        """What grew in this process while the compile thread ran (summed over its runs)."""
         mark = self._rss_mark
         return self._compile_rss + (max(0, _rss_bytes() - mark) if mark is not None else 0)
+
+    def compile_rss_bytes(self) -> int:
+        """Resident memory the background compile added so far: this process's share, and its helper
+        process's resident set now (class docstring)."""
+        helper = self.helper
+        return self._own_rss_bytes() + (helper.rss_bytes() if helper is not None else 0)
 
     def __enter__(self):
         if self.depth == 0 and self.share and self.last_step_s:
@@ -203,6 +215,8 @@ class BackgroundWarmup:
         self._begin()
         if self.helper_settings is not None and compile_helper.enabled():
             self.helper = compile_helper.CompileHelper.spawn(self.helper_settings, self.log)
+            if self.helper is not None:  # its memory is the compile's (StepGate.compile_rss_bytes)
+                self.runner.exec_lock.helper = self.helper
         self.thread = threading.Thread(target=self._run, name="v4flash-graph-warmup", daemon=True)
         self.thread.start()
 
