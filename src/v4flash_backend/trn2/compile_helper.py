@@ -39,6 +39,16 @@ def decode(text: str) -> tuple:
     return (kind, Bucket(*b), *rest)
 
 
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set, this one's by default (/proc/<pid>/statm; 0 where there is none:
+    another OS, or a process that exited)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def enabled() -> bool:
     return os.environ.get("V4FLASH_COMPILE_HELPER", "1") != "0"
 
@@ -85,9 +95,7 @@ class CompileHelper:
 
     def rss_bytes(self) -> int:
         """The process's resident set (0 once it exited: its pid may be another process's by then)."""
-        from .warmup import _rss_bytes
-
-        return 0 if self.exited else _rss_bytes(self.proc.pid)
+        return 0 if self.exited else rss_bytes(self.proc.pid)
 
     def want(self, key: tuple) -> None:
         """Compile `key` next (after the set in progress), as the server's queue does."""

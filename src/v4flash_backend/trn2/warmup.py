@@ -58,6 +58,7 @@ import time
 from collections import deque
 
 from . import compile_helper
+from .compile_helper import rss_bytes as _rss_bytes
 from .graphs import uncounted
 
 NICE = 10  # the thread's scheduling priority on Linux (a thread id is a PRIO_PROCESS target there)
@@ -70,16 +71,6 @@ MAX_SLICE_S = 0.1
 class CompileStopped(BaseException):
     """Raised in the compile thread by its profile hook once `stop()` was called (a BaseException:
     dynamo's and inductor's `except Exception` handlers must not swallow it)."""
-
-
-def _rss_bytes(pid: int | str = "self") -> int:
-    """A process's resident set, this one's by default (/proc/<pid>/statm; 0 where there is none:
-    another OS, or a process that exited)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class StepGate:
