@@ -23,12 +23,13 @@ def cmd_golden(args) -> int:
                                   args.sequence_parallel)
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():  # under torchrun: leave the group cleanly
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:  # under torchrun: leave the group cleanly
         dist.barrier()
         rank0 = is_rank0()
         dist.destroy_process_group()
         if not rank0:  # rank 0 alone reports
-            return 0 if ok else 1
+            _leave(0 if ok else 1)
     for line in rep.lines:
         if args.verbose or not line.startswith("ok "):
             print(line)
@@ -36,7 +37,21 @@ def cmd_golden(args) -> int:
         print(f"{len(rep.failures)} check(s) failed", file=sys.stderr)
     print(rep.level_line)
     print(final)
+    if grouped:
+        _leave(0 if ok else 1)
     return 0 if ok else 1
+
+
+def _leave(code: int) -> None:
+    """Exit a torchrun rank whose process group is destroyed without the interpreter's unwinding:
+    even after the barrier and destroy, a rank of a W = 4 golden-check aborted once while unwinding
+    ('terminate called without an active exception', SIGABRT from a C++ thread's destructor; CI on
+    a 2-core AMD EPYC, 2026-12-07), failing a check that had passed. Output is flushed first."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_generate(args) -> int:
