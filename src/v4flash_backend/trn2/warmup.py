@@ -58,7 +58,6 @@ import time
 from collections import deque
 
 from . import compile_helper
-from .compile_helper import rss_bytes as _rss_bytes
 from .graphs import uncounted
 
 NICE = 10  # the thread's scheduling priority on Linux (a thread id is a PRIO_PROCESS target there)
@@ -113,7 +112,7 @@ class StepGate:
             self.share = 0.0
 
     def compile_resumed(self) -> None:
-        self._rss_mark = _rss_bytes()
+        self._rss_mark = compile_helper.rss_bytes()
 
     def compile_paused(self) -> None:
         self._compile_rss, self._rss_mark = self._own_rss_bytes(), None
@@ -121,7 +120,7 @@ class StepGate:
     def _own_rss_bytes(self) -> int:
         """What grew in this process while the compile thread ran (summed over its runs)."""
         mark = self._rss_mark
-        return self._compile_rss + (max(0, _rss_bytes() - mark) if mark is not None else 0)
+        return self._compile_rss + (max(0, compile_helper.rss_bytes() - mark) if mark is not None else 0)
 
     def compile_rss_bytes(self) -> int:
         """Resident memory the background compile added so far: this process's share, and its helper
