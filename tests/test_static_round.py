@@ -688,3 +688,28 @@ def test_round_result_reads_back_what_the_graphs_packed(processed):
                     n = i * (G + 1) + j
                     assert lp == float(tok_lp[n]) and rk == int(rank[n])
                     assert alts == [[int(top_ids[n, a]), float(top_lp[n, a])] for a in range(2)]
+
+
+@pytest.mark.slow
+def test_reference_numerics_plain_round_traces_no_weight_dequant(golden_dir):
+    """Under `reference` numerics the drafting round (1 + G rows a sequence) runs the MoE's
+    per-expert loop and the 1-row plain round the routed form on the stacked experts: a server
+    that primed only the drafting round traced the plain round with the stacks' dequantization
+    inside (their e8m0 scales as graph inputs: inductor failed on the type, KeyError
+    float8_e8m0fnu). Every graph such a runner compiles, drafting round first as a server warms
+    them, takes only inputs inductor's C++ code generator has a type for (`exact` numerics: see
+    test_compiled_round_is_fullgraph_and_serves_the_eager_tokens). A fresh model: the
+    dequantized-weight caches key by weight, so a model another test ran would hide an unprimed
+    form (~60 s: the traces of 3 graphs)."""
+    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+
+    from v4flash_backend.model.loading import load_model
+
+    ops.set_numerics("reference")
+    sr = StaticRunner(load_model(golden_dir), 1, 40, settings=NeuronSettings(backend="eager"))
+    with torch.inference_mode():
+        sr.graphs.warm_up(None, mode="dspark", stop_width=STOP_WIDTH, processed=False)
+        sr.warm_up_nodraft(None, stop_width=STOP_WIDTH, processed=False)
+    assert sr.graphs.stats.graphs == 3  # verify and draft graphs, then the plain round
+    dtypes = sr.graphs.stats.input_dtypes
+    assert torch.float8_e8m0fnu not in dtypes and not dtypes - set(DTYPE_TO_CPP), dtypes

@@ -55,10 +55,17 @@ def startup_steps(runner, mode: str, fixed_len: int, stop_width: int, processed:
 
 
 def prime(runner, mode: str, fixed_len: int, stop_width: int) -> None:
-    """The uncompiled padding round that fills the host-side caches before any graph is traced
-    (`StaticGraphs.prime`), once per runner."""
-    if not (runner.graphs.primed or (runner.ngraphs is not None and runner.ngraphs.primed)):
+    """The uncompiled padding rounds that fill the host-side caches before any graph is traced
+    (`StaticGraphs.prime`): the round graphs' (spec mode `mode`) and the plain-decode graphs', each
+    once per runner. Both, because the forms differ by rows: under `reference` numerics the drafting
+    round's 1 + G-row MoE runs the per-expert loop and the 1-row plain round the routed form on the
+    stacked experts, whose dequantized copy only a plain round fills. Traced unfilled, the plain
+    round's graph dequantized the stacks in every call and took their e8m0 scales as inputs, which
+    inductor's C++ code generator has no type for (KeyError: torch.float8_e8m0fnu)."""
+    if not runner.graphs.primed:
         runner.graphs.prime(mode, fixed_len, stop_width)
+    if runner.ngraphs is not None and not runner.ngraphs.primed:
+        runner.ngraphs.prime("off", 0, stop_width)
 
 
 def warm_up(runner, mode: str, fixed_len: int, stop_width: int, processed: bool, nodraft: bool, coll=None,

@@ -95,7 +95,7 @@ class StaticRunner(LocalRunner):
         if self.ngraphs is None or self.graphs.settings.backend == "none":
             return
         bar = _Progress(len(self.ngraphs.buckets), progress)
-        if not (self.graphs.primed or self.ngraphs.primed):  # servers warm the round graphs first
+        if not self.ngraphs.primed:  # its own forms' caches (startup.prime)
             self.ngraphs.prime("off", 0, stop_width)
         for i, b in enumerate(self.ngraphs.buckets):
             for proc in (False, True)[:1 + processed]:

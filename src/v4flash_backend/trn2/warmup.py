@@ -59,6 +59,7 @@ from collections import deque
 
 from . import compile_helper
 from .graphs import uncounted
+from .startup import prime
 
 NICE = 10  # the thread's scheduling priority on Linux (a thread id is a PRIO_PROCESS target there)
 MAX_PAUSE_S = 1.0  # the longest the compile waits at once for a step (module docstring) ...
@@ -191,8 +192,7 @@ class BackgroundWarmup:
         """Prime (this thread), mark nothing warm, open the gate's compile accounting."""
         r = self.runner
         mode, fixed_len, stop_width, _ = self.args
-        if not (r.graphs.primed or (r.ngraphs is not None and r.ngraphs.primed)):
-            r.graphs.prime(mode, fixed_len, stop_width)
+        prime(r, mode, fixed_len, stop_width)
         r.ready = set()
         r.counters.update(warmup_done=0, warmup_total=len(self.jobs))
         self.t0 = time.monotonic()
