@@ -21,16 +21,17 @@ instrumentation, which costs time per kernel call whether or not the profiler ru
 round took 8.4 ms instrumented against 3.7 ms): read the graphs' differences, not their totals. It
 prints
 
-    round-profile: batch=<B> f64_weights=<w> plain_ms=<p> verify_ms=<v> draft_ms=<d>
+    round-profile: batch=<B> f64_weights=<w> numerics=<n> plain_ms=<p> verify_ms=<v> draft_ms=<d>
         drafting_round_ms=<v+d> ratio=<(v+d)/p>      (one line)
     round-bound: tau=<t> drafting_pays_below_ratio=<t> max_gain=<t/ratio>
 
 (medians [min-max] over rounds on the line before): a drafting round commits tau tokens a sequence
 where a plain round commits 1, so drafting pays while ratio < tau, and gains at most tau / ratio at
 that acceptance, before the host's work per round and the prefill, which both modes pay. The numerics
-are `exact` (the CPU default's); $V4FLASH_F64_WEIGHTS (torch_ops.F64_WEIGHTS) picks which weights keep
-an fp64 copy. `--f64-weights none,experts` builds a runner under each mode and times all their graphs
-in one interleaved loop (one round-profile line a mode): the A/B on one host at one time.
+are `exact` (the CPU default's) unless `--numerics` names others; $V4FLASH_F64_WEIGHTS
+(torch_ops.F64_WEIGHTS) picks which weights keep an fp64 copy. `--f64-weights none,experts` and / or
+`--numerics exact,reference` build a runner under each combination and time all their graphs in one
+interleaved loop (one round-profile line each): the A/B on one host at one time.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def graph_calls(runner, batch: int) -> dict:
             "draft": draft}
 
 
+def _use(mode) -> None:
+    """Make (numerics, F64_WEIGHTS) the process's: before a variant's runner traces and each call."""
+    ops.set_numerics(mode[0])
+    torch_ops.F64_WEIGHTS = mode[1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=None)
@@ -92,6 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--f64-weights", default=None,
                     help="F64_WEIGHTS modes to compare, comma-separated (e.g. none,experts): a runner "
                          "each, their graphs timed interleaved; default $V4FLASH_F64_WEIGHTS's one")
+    ap.add_argument("--numerics", default="exact",
+                    help="ops numerics to compare, comma-separated (exact,reference): a runner each (with "
+                         "every --f64-weights mode), all graphs timed in one interleaved loop")
     ap.add_argument("--kernels", action="store_true",
                     help="compile with per-kernel profiler events and list each graph's top kernels")
     args = ap.parse_args(argv)
@@ -101,9 +111,14 @@ def main(argv=None) -> int:
         inductor_config.cpp.enable_kernel_profile = True  # read at code generation: set before compiling
         args.ops = args.ops or 25
     torch.set_num_threads(args.threads)
-    ops.set_numerics("exact")
     ckpt = args.checkpoint or default_checkpoint()
-    modes = args.f64_weights.split(",") if args.f64_weights else [torch_ops.F64_WEIGHTS]
+    numerics = args.numerics.split(",")
+    for n in numerics:
+        if n not in ops.NUMERICS:
+            ap.error(f"--numerics {n!r}: choose from {', '.join(ops.NUMERICS)}")
+    f64_modes = args.f64_weights.split(",") if args.f64_weights else [torch_ops.F64_WEIGHTS]
+    # a variant: (numerics, F64_WEIGHTS); both are read while tracing and by the graphs' guards
+    modes = [(n, w) for n in numerics for w in f64_modes]
     if len(modes) > 1:
         # every mode's graphs are re-traces of the same functions (a guard per weight copy)
         torch._dynamo.config.recompile_limit = 16 * len(modes)
@@ -112,18 +127,18 @@ def main(argv=None) -> int:
     by_mode = {}
     with torch.inference_mode():  # traced as they run below (a grad-mode change would re-trace them)
         for mode in modes:
-            torch_ops.F64_WEIGHTS = mode  # read while tracing, and by the graphs' guards: set per call
+            _use(mode)  # read while tracing, and by the graphs' guards: set per call
             model = load_model(ckpt)
             prompts, _ = load_prompts(ckpt, model, 16, None)
             runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
-            print(f"fast-compile: batch={args.batch} f64_weights={mode} graphs={graphs} seconds={secs:.1f}",
-                  flush=True)
+            print(f"fast-compile: batch={args.batch} numerics={mode[0]} f64_weights={mode[1]} graphs={graphs} "
+                  f"seconds={secs:.1f}", flush=True)
             by_mode[mode] = (runner, graph_calls(runner, args.batch))
         keys = [(m, k) for m in modes for k in by_mode[m][1]]
         samples: dict = {key: [] for key in keys}
 
         def call(key):
-            torch_ops.F64_WEIGHTS = key[0]
+            _use(key[0])
             return by_mode[key[0]][1][key[1]]()
 
         for _ in range(5):
@@ -141,12 +156,13 @@ def main(argv=None) -> int:
                 print(f"  {k:>6}: {med[k]:.3f} ms [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}] over {len(v)} calls")
         full = med["verify"] + med["draft"]
         ratio = full / med["plain"]
-        print(f"round-profile: batch={args.batch} f64_weights={mode} plain_ms={med['plain']:.3f} "
+        print(f"round-profile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} "
+              f"plain_ms={med['plain']:.3f} "
               f"verify_ms={med['verify']:.3f} "
               f"draft_ms={med['draft']:.3f} drafting_round_ms={full:.3f} ratio={ratio:.2f}")
         print(f"round-bound: tau={args.tau:.2f} drafting_pays_below_ratio={args.tau:.2f} "
               f"max_gain={args.tau / ratio:.2f}", flush=True)
-    torch_ops.F64_WEIGHTS = modes[0]
+    _use(modes[0])
     calls = by_mode[modes[0]][1]
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
