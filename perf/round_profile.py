@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             model = load_model(ckpt)
             prompts, _ = load_prompts(ckpt, model, 16, None)
             runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
-            print(f"fast-compile: batch={args.batch} numerics={mode[0]} f64_weights={mode[1]} graphs={graphs} "
+            print(f"fast-compile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} graphs={graphs} "
                   f"seconds={secs:.1f}", flush=True)
             by_mode[mode] = (runner, graph_calls(runner, args.batch))
         keys = [(m, k) for m in modes for k in by_mode[m][1]]
