@@ -185,6 +185,9 @@ def test_a_rank_group_on_the_cpu_default_serves_while_its_graphs_compile(small_c
         # announced: the bucket's plain-decode round (the rest as traffic needs them; no drafting round
         # without speculation: the engine-level test above covers the drafting rounds' sets)
         assert st["decode_graph"] == "static" and st["warmup_total"] == 1 and st["warmup_done"] < 1
+        # the Triton model's start-up request (serving.engine_rank_group) asks for no set: not traffic
+        res = group.submit([0, 3, 4, 5], {"max_tokens": 2, "ignore_eos": True}, warmup=True).result(timeout=120)
+        assert res["error"] is None and group.stats()["engine"]["warmup_total"] == 1
         res = group.submit(prompts[0], {"max_tokens": 10, "ignore_eos": True}).result(timeout=120)
         assert res["error"] is None and res["token_ids"] == want[0]
         st = group.stats()["engine"]
@@ -334,6 +337,45 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
         s.ell = 0  # (no drafts left to verify: the round is a plain one)
     eng.step()
     assert asked == [False, False, True]
+
+
+def test_the_start_up_request_asks_the_compile_for_nothing(tiny_model):
+    """The server's start-up request (request.warmup: the Triton model's one short request before it
+    reports ready) is not traffic: its steps, eager while nothing is warm, ask for no set, so the
+    announced sets compile first and the count of sets is theirs (on a 2-core AMD EPYC its prefill's
+    forward graph compiled first, 268.5 s ahead of the first round set). A user's request with the same
+    prompt asks for the same set at once. The engine decides it per step, from the running requests:
+    a user's request beside a start-up one is traffic."""
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup
+
+    r = StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    w = BackgroundWarmup(r, "off", 0, 8, processed=False, nodraft=True)
+    r.ready, r.warming = set(), w  # (not started: the queue alone; nothing warm, every step eager)
+    r.counters["warmup_total"] = len(w.jobs)
+    announced = list(w.jobs)
+    eng = Engine(r, Settings(max_num_seqs=2, max_model_len=90, spec_mode="off", prefix_cache_bytes=0))
+
+    def run(*reqs):
+        for q in reqs:
+            eng.submit(q)
+        while eng.running or eng.waiting:
+            eng.step()
+
+    prompt = [0, 3, 4, 5]  # serving.engine_rank_group's start-up prompt: its prefill is a forward step
+    run(GenerateRequest(prompt=prompt, max_tokens=2, ignore_eos=True, warmup=True))
+    assert w.jobs == announced and list(w._queue) == announced and r.counters["warmup_total"] == len(announced)
+    assert r.exec_lock.traffic is False
+    run(GenerateRequest(prompt=prompt, max_tokens=2, ignore_eos=True))
+    assert r.exec_lock.traffic is True
+    assert list(w._queue)[0][0] == "forward" and r.counters["warmup_total"] == len(announced) + 1
+    w._queue.clear()
+    w.jobs[:] = announced
+    run(GenerateRequest(prompt=prompt, max_tokens=2, ignore_eos=True, warmup=True),
+        GenerateRequest(prompt=[0, 7, 1], max_tokens=2, ignore_eos=True))
+    assert list(w._queue)[:1] == [("forward", r.buckets[1])]  # both prefills in one step: traffic
 
 
 def test_an_idle_compile_thread_takes_no_slice_from_the_steps(tiny_model, monkeypatch):

@@ -76,6 +76,9 @@ class GenerateRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     callback: Callable[[Any], None] | None = None  # engine events, from the engine's thread
     arrival: float = field(default_factory=time.monotonic)
+    # the server's start-up request (serving.engine_rank_group): not traffic, so its steps ask a
+    # background compile for no graph set (trn2.warmup.StepGate.traffic)
+    warmup: bool = False
 
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids)

@@ -217,6 +217,9 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         self._admit_waiting()
         if not self.running:
             return
+        if hasattr(self._exec_lock, "traffic"):  # a background compile's gate (trn2.warmup.StepGate)
+            # the server's start-up request alone is not traffic: the sets its steps lack are not asked for
+            self._exec_lock.traffic = not all(s.req.warmup for s in self.running)
         if self._cost_provisional and self.runner.graphs_ready:
             # the graphs are warm: the rounds' own profile (loaded, or timed and saved) replaces the
             # eager one, and what the learner measured against the eager profile goes with it

@@ -15,7 +15,8 @@ and logged. Beyond loopback the server does not start without a secret.
     {"op":"submit","id":ID,"prompt_ids":[int,...],"params":{"max_tokens":int,"temperature":float,
      "top_k":int,"top_p":float,"seed":int|null,"stop_token_ids":[int,...],"ignore_eos":bool,
      "min_tokens":int,"logprobs":int,"frequency_penalty":float,"presence_penalty":float}}
-    (request.GenerateRequest's wire fields)
+    (request.GenerateRequest's wire fields; "warmup":true beside them marks the server's start-up
+    request, whose steps ask the background compile for no graph: trn2.warmup)
     {"op":"cancel","id":ID}
     {"op":"health","tag":T}  {"op":"stats","tag":T}  {"op":"shutdown","tag":T}
   server -> client
@@ -45,8 +46,9 @@ def encode(msg: dict) -> bytes:
     return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
 
 
-def submit(request_id, prompt_ids, params: dict | None) -> dict:
-    return {"op": SUBMIT, "id": request_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params or {}}
+def submit(request_id, prompt_ids, params: dict | None, warmup: bool = False) -> dict:
+    msg = {"op": SUBMIT, "id": request_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params or {}}
+    return dict(msg, warmup=True) if warmup else msg
 
 
 def cancel(request_id) -> dict:

@@ -303,9 +303,11 @@ class RankGroup:
         return RankGroup.launch(**self.launch_args)
 
     # ---- requests --------------------------------------------------------------------------------
-    def submit(self, prompt_ids, params: dict | None = None, request_id=None, callback=None) -> Stream:
+    def submit(self, prompt_ids, params: dict | None = None, request_id=None, callback=None,
+               warmup: bool = False) -> Stream:
         """Send a request; its events arrive on the returned Stream (and `callback`, from the reader
-        thread). A dead group answers at once with a final UNAVAILABLE error event."""
+        thread). A dead group answers at once with a final UNAVAILABLE error event. warmup: the
+        server's start-up request (not traffic: its steps ask a background compile for no graph)."""
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
         st = Stream(rid, callback)
         with self.lock:
@@ -317,7 +319,7 @@ class RankGroup:
         if failure is not None:
             st._put(protocol.error(protocol.UNAVAILABLE, failure, rid))
             return st
-        msg = protocol.submit(rid, prompt_ids, params)
+        msg = protocol.submit(rid, prompt_ids, params, warmup)
         if not self._send(msg):
             self._fail_stream(str(rid))
         return st

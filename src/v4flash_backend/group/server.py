@@ -165,7 +165,8 @@ class Server:
                 raise ValueError("submit needs an id (string or number)")
             eid = f"{c.num}:{key}"
             req = GenerateRequest.from_wire(msg.get("prompt_ids"), msg.get("params"), id=eid,
-                                            callback=lambda ev: self._event(c, cid, ev))
+                                            callback=lambda ev: self._event(c, cid, ev),
+                                            warmup=msg.get("warmup") is True)
             with c.lock:
                 if key in c.inflight:
                     raise ValueError(f"request id {cid!r} is already in flight on this connection")

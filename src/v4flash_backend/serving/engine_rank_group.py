@@ -66,7 +66,7 @@ class RankGroupEngine:
         DSpark steps/s profile runs at the first draft) is not charged to a client."""
         prompt = [t for t in _WARMUP_PROMPT if t < self.vocab_size]
         t0 = time.monotonic()
-        res = group.submit(prompt, {"max_tokens": 2, "ignore_eos": True}, request_id="warmup").result(
+        res = group.submit(prompt, {"max_tokens": 2, "ignore_eos": True}, request_id="warmup", warmup=True).result(
             timeout=self.settings.startup_timeout_s)
         if res["error"] is not None:
             raise RankGroupError(f"warm-up request failed: {res['code']}: {res['error']}")

@@ -9,7 +9,8 @@ the exact numerics) while a thread compiles in sets that take over one by one on
 round (one graph) and the drafting round (two) of the smallest decode bucket (one sequence: what a
 first user sends), then of the largest (a batch whose own bucket is cold runs padded in it); the other
 sets -- the buckets between, logit-processing variants, forward graphs, prefill buckets -- when a step
-first needs one, and a set a step waits for goes to the front of the queue (`want`). A server's
+first needs one, and a set a step waits for goes to the front of the queue (`want`; not the steps of
+the server's start-up request, which is no traffic: `StepGate.traffic`). A server's
 background compile takes one context bucket per sequence count (group/build.py: every context bound
 its own graphs tripled the count).
 
@@ -102,6 +103,12 @@ class StepGate:
         self._compile_rss = 0  # resident bytes that grew while the compile thread ran
         self._rss_mark: int | None = None  # the resident set when it last resumed (None: paused or done)
         self.helper = None  # the compile helper (compile_helper.CompileHelper), if one was spawned
+        # False while the engine's step serves only the server's start-up request (request.warmup, set
+        # by Engine._step): its steps ask for no set (`BackgroundWarmup.want`). That request's prompt
+        # is no user's: its prefill wanted a forward graph that chat traffic (prompts past a round's
+        # rows go to the prefill graphs) seldom runs, and that graph compiled before the first
+        # round set (268.5 s of a 2-core AMD EPYC's helper, ahead of the one-sequence plain round)
+        self.traffic = True
 
     def compiling(self, on: bool) -> None:
         """A background compile starts (the slice and the memory count begin) or ends."""
@@ -212,8 +219,11 @@ class BackgroundWarmup:
 
     def want(self, key: tuple) -> None:
         """A step needs set `key` and it is not warm: compile it next (after the one in progress). A set
-        no server of these settings runs (a logit-processing variant without warm_processed) is left out."""
+        no server of these settings runs (a logit-processing variant without warm_processed) is left out,
+        and so is what the server's start-up request's steps lack (not traffic: `StepGate.traffic`)."""
         if key[0] in ("plain", "round") and key[2] and not self.processed:
+            return
+        if not getattr(self.runner.exec_lock, "traffic", True):
             return
         if self.helper is not None:
             self.helper.want(key)
