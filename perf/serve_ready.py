@@ -14,6 +14,12 @@ directory (TORCHINDUCTOR_CACHE_DIR), so the first start compiles as on a fresh m
 next ones restart with what it cached. One line a start:
 
   serve-ready: start=<k> ready_s=<x> first_rounds_warm_s=<y> all_warm_s=<z> sets=<n>
+
+and before it, from the rank group's log (read before the server stops), a line per set that got
+warm, in order: the seconds since the compile began, the set's own seconds on the server's thread
+(from the cache once the compile helper compiled it) and the helper's seconds compiling it cold:
+
+  serve-ready-set: start=<k> n=<i>/<total> at_s=<t> server_s=<s> helper_s=<h|none> set=<name>
 """
 
 from __future__ import annotations
@@ -51,6 +57,27 @@ def gauges(text: str) -> tuple[int, int] | None:
     return (vals["warmup_graph_sets_warm"], vals["warmup_graph_sets"]) if len(vals) == 2 else None
 
 
+WARM = re.compile(r"graphs warm: (.+) in ([0-9.]+) s \((\d+)/(\d+), (\d+) s since start\)")
+HELPER = re.compile(r"compile helper: compiled (.+) in ([0-9.]+) s")
+
+
+def set_lines(k: int, group_log: str) -> list[str]:
+    """The serve-ready-set lines from the rank group's log text (module docstring)."""
+    helper = {m.group(1): m.group(2) for m in HELPER.finditer(group_log)}
+    return [f"serve-ready-set: start={k} n={m.group(3)}/{m.group(4)} at_s={m.group(5)} server_s={m.group(2)} "
+            f"helper_s={helper.get(m.group(1), 'none')} set={m.group(1)}" for m in WARM.finditer(group_log)]
+
+
+def group_log_text(server_log: Path) -> str:
+    """The rank group's log, named in the server's log (it lives in a directory the group removes
+    when it stops); empty when not found."""
+    m = re.findall(rb"log (\S+/group\.log)\)", server_log.read_bytes())
+    try:
+        return Path(m[-1].decode()).read_text(errors="replace") if m else ""
+    except OSError:
+        return ""
+
+
 def one_start(k: int, args, cache_dir: str | None) -> None:
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics),
@@ -85,6 +112,8 @@ def one_start(k: int, args, cache_dir: str | None) -> None:
                         break
             time.sleep(0.25 if ready is None else 2.0)
     finally:
+        log.flush()
+        sets = set_lines(k, group_log_text(Path(log.name)))
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
@@ -96,6 +125,8 @@ def one_start(k: int, args, cache_dir: str | None) -> None:
     def fmt(v):
         return "none" if v is None else f"{v:.1f}"
 
+    for line in sets:
+        print(line, flush=True)
     print(f"serve-ready: start={k} ready_s={fmt(ready)} first_rounds_warm_s={fmt(first)} all_warm_s={fmt(warm)} "
           f"sets={n}", flush=True)
 

@@ -2,6 +2,7 @@
 export (the numbers it prints are checked against values worked out by hand below)."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,59 @@ def test_bench_dspark_splits_each_mode_by_step_kind():
     assert int(fixed["undrafted_steps"]) <= 2
     cell = re.search(r"cell: batch=1 temp=0 plain_tok_s=([0-9.]+)", out)
     assert cell and float(cell.group(1)) > 0
+
+
+# ---- perf/serve_ready.py: where the background compile's time went -----------------------------
+def test_serve_ready_reads_each_set_from_the_compile_log(tiny_model, tmp_path):
+    """perf/serve_ready.py's serve-ready-set lines come from the rank group's log: the server thread's
+    "graphs warm" lines and the compile helper's "compiled" lines, as trn2.warmup writes them (a
+    changed log line must fail here, not leave the tool printing nothing). Both loops run for real on
+    the tiny model, their sets stubbed (no compile), their lines prefixed as group.build logs them."""
+    import sys
+    import threading
+    import time
+
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup, _name
+
+    spec = importlib.util.spec_from_file_location("serve_ready", REPO / "perf" / "serve_ready.py")
+    sys.path.insert(0, str(REPO / "perf"))  # (serve_ready imports bench_serving beside it)
+    try:
+        sr = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sr)
+    finally:
+        sys.path.remove(str(REPO / "perf"))
+    lines = []
+
+    def warmup(prefix):
+        r = StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32,
+                         ctx_buckets=False)
+        r.graphs.primed = r.ngraphs.primed = True  # (no prime round: the sets are stubs)
+        w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True,
+                             log=lambda m: lines.append(f"[v4flash rank 0] {prefix}{m}"))
+        w._warm = lambda job: time.sleep(0.01)
+        return w
+
+    helper = warmup("compile helper: ")
+    t = threading.Thread(target=helper.run_here, args=(lambda key, err: None,), daemon=True)
+    t.start()
+    assert helper.wait(30)
+    helper.stop()
+    t.join(10)
+    server = warmup("")
+    server.start()
+    assert server.wait(30)
+    server.close()
+    log = tmp_path / "server.log"
+    group_log = tmp_path / "group.log"
+    group_log.write_text("\n".join(lines) + "\n")
+    log.write_text(f'I1207 model.py:32] "[v4flash] rank group of 1 rank(s) up in 5.0 s (pids [1]; log {group_log})"\n')
+    got = sr.set_lines(1, sr.group_log_text(log))
+    n = len(server.jobs)
+    assert n == 4 and len(got) == n  # the two buckets' plain and drafting rounds
+    pat = re.compile(r"serve-ready-set: start=1 n=(\d+)/(\d+) at_s=\d+ server_s=[0-9.]+ helper_s=([0-9.]+) set=(.+)")
+    parsed = [pat.fullmatch(g) for g in got]
+    assert all(parsed), got
+    assert [int(m.group(1)) for m in parsed] == list(range(1, n + 1)) and {m.group(2) for m in parsed} == {str(n)}
+    assert [m.group(4) for m in parsed] == [_name(j) for j in server.jobs]
