@@ -31,7 +31,10 @@ that acceptance, before the host's work per round and the prefill, which both mo
 are `exact` (the CPU default's) unless `--numerics` names others; $V4FLASH_F64_WEIGHTS
 (torch_ops.F64_WEIGHTS) picks which weights keep an fp64 copy. `--f64-weights none,experts` and / or
 `--numerics exact,reference` build a runner under each combination and time all their graphs in one
-interleaved loop (one round-profile line each): the A/B on one host at one time.
+interleaved loop (one round-profile line each): the A/B on one host at one time. `--cxx-opt O3,O2`
+does the same for g++'s optimisation level of inductor's C++ (trn2.compiler.CXX_OPT; a level not in
+inductor's cache compiles its C++ anew, ~1 min a graph), and `fast-compile` says each variant's
+compile seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from v4flash_backend import ops  # noqa: E402
 from v4flash_backend.engine.round_plan import STOP_WIDTH  # noqa: E402
 from v4flash_backend.model.loading import load_model  # noqa: E402
 from v4flash_backend.ops import torch_ops  # noqa: E402
+from v4flash_backend.trn2 import compiler  # noqa: E402
 from v4flash_backend.trn2.static_step import Bucket  # noqa: E402
 
 ARGS = ("slot", "start", "n", "pending", "temperature", "top_k", "top_p", "seed", "rnd", "budget", "stop_ids")
@@ -82,9 +86,11 @@ def graph_calls(runner, batch: int) -> dict:
 
 
 def _use(mode) -> None:
-    """Make (numerics, F64_WEIGHTS) the process's: before a variant's runner traces and each call."""
+    """Make (numerics, F64_WEIGHTS, g++ level) the process's: before a variant's runner traces and each
+    call (the level is read at compile time only)."""
     ops.set_numerics(mode[0])
     torch_ops.F64_WEIGHTS = mode[1]
+    compiler.CXX_OPT = mode[2]
 
 
 def main(argv=None) -> int:
@@ -102,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--numerics", default="exact",
                     help="ops numerics to compare, comma-separated (exact,reference): a runner each (with "
                          "every --f64-weights mode), all graphs timed in one interleaved loop")
+    ap.add_argument("--cxx-opt", default=None,
+                    help="g++ levels of inductor's C++ to compare, comma-separated (O3,O2): a runner each; "
+                         "default trn2.compiler.CXX_OPT")
     ap.add_argument("--kernels", action="store_true",
                     help="compile with per-kernel profiler events and list each graph's top kernels")
     args = ap.parse_args(argv)
@@ -118,7 +127,8 @@ def main(argv=None) -> int:
             ap.error(f"--numerics {n!r}: choose from {', '.join(ops.NUMERICS)}")
     f64_modes = args.f64_weights.split(",") if args.f64_weights else [torch_ops.F64_WEIGHTS]
     # a variant: (numerics, F64_WEIGHTS); both are read while tracing and by the graphs' guards
-    modes = [(n, w) for n in numerics for w in f64_modes]
+    levels = args.cxx_opt.split(",") if args.cxx_opt else [compiler.CXX_OPT]
+    modes = [(n, w, c) for n in numerics for w in f64_modes for c in levels]
     if len(modes) > 1:
         # every mode's graphs are re-traces of the same functions (a guard per weight copy)
         torch._dynamo.config.recompile_limit = 16 * len(modes)
@@ -128,10 +138,15 @@ def main(argv=None) -> int:
     with torch.inference_mode():  # traced as they run below (a grad-mode change would re-trace them)
         for mode in modes:
             _use(mode)  # read while tracing, and by the graphs' guards: set per call
+            if len(levels) > 1:  # (the generated modules loaded for another level would be reused)
+                from torch._inductor.codecache import PyCodeCache
+
+                PyCodeCache.cache_clear()
             model = load_model(ckpt)
             prompts, _ = load_prompts(ckpt, model, 16, None)
             runner, secs, graphs = fast_runner(model, args.batch, fast_max_len(prompts, args.max_tokens))
-            print(f"fast-compile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} graphs={graphs} "
+            print(f"fast-compile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} cxx_opt={mode[2]} "
+                  f"graphs={graphs} "
                   f"seconds={secs:.1f}", flush=True)
             by_mode[mode] = (runner, graph_calls(runner, args.batch))
         keys = [(m, k) for m in modes for k in by_mode[m][1]]
@@ -156,7 +171,7 @@ def main(argv=None) -> int:
                 print(f"  {k:>6}: {med[k]:.3f} ms [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}] over {len(v)} calls")
         full = med["verify"] + med["draft"]
         ratio = full / med["plain"]
-        print(f"round-profile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} "
+        print(f"round-profile: batch={args.batch} f64_weights={mode[1]} numerics={mode[0]} cxx_opt={mode[2]} "
               f"plain_ms={med['plain']:.3f} "
               f"verify_ms={med['verify']:.3f} "
               f"draft_ms={med['draft']:.3f} drafting_round_ms={full:.3f} ratio={ratio:.2f}")

@@ -105,6 +105,37 @@ def test_inductor_compiles_with_eager_precision_casts(monkeypatch):
     assert (config.emulate_precision_casts, config.cpp_wrapper) == before  # set only while compiling
 
 
+def test_inductor_compiles_its_cpp_at_the_level_cxx_opt_names(monkeypatch):
+    """trn2.compiler.CXX_OPT is the g++ level of the command line inductor builds for a graph's C++
+    while compiling (what keys its C++ cache too), and only then; inductor's own -O3 when it says O3.
+    The backend is replaced by a recorder that builds the command line as inductor's CppCodeCache
+    does: a torch whose flags come from elsewhere fails here rather than compiling at -O3 unseen."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from v4flash_backend.trn2 import compiler
+
+    def command_line():
+        opt = CppTorchDeviceOptions(vec_isa=pick_vec_isa(), device_type="cpu", **CppCodeCache.cpp_compile_command_flags)
+        return CppBuilder(name="o", sources="i", BuildOption=opt).get_command_line().split()
+
+    seen = []
+
+    def recorder(gm, example_inputs):
+        seen.append([f for f in command_line() if f in ("-O1", "-O2", "-O3")])
+        return gm.forward
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: recorder)
+    for level in ("O2", "O3", "O1"):
+        monkeypatch.setattr(compiler, "CXX_OPT", level)
+        torch._dynamo.reset()
+        seen.clear()
+        compile_step(lambda x: x * 2 + 1, NeuronSettings(backend="inductor"))(torch.ones(3))
+        assert seen == [[f"-{level}"]], (level, seen)
+    assert "-O3" in command_line()  # set only while compiling
+
+
 def test_backend_neuron_compiles_only_with_the_flags_in_its_environment(monkeypatch):
     """Backend neuron reads the compiler flags from NEURON_CC_FLAGS alone: compile_step refuses to
     compile when the environment does not carry this launch's flags."""

@@ -99,6 +99,34 @@ def _check_cc_flags(s: NeuronSettings) -> None:
                            "the rank through group.rank_entry (or trn2.launch.apply_env before torch loads)")
 
 
+# g++'s optimisation level for inductor's C++ (the graph's kernels and its C++ wrapper, one file;
+# inductor's own is -O3). Read at each compile; $V4FLASH_CXX_OPT sets it.
+CXX_OPT = os.environ.get("V4FLASH_CXX_OPT", "O3")
+
+
+@contextlib.contextmanager
+def _cxx_opt(level: str):
+    """Inductor's C++ compiled at `level` instead of -O3 (its command line, hence its cache key, says
+    so). torch 2.13 builds the flags in cpp_builder._get_optimization_cflags, in the compiling
+    thread; a torch without it is refused here rather than compiled at another level unseen."""
+    if level == "O3":
+        yield
+        return
+    from torch._inductor import cpp_builder
+
+    inner = cpp_builder._get_optimization_cflags
+
+    def flags(*args, **kwargs):
+        cflags, ldflags = inner(*args, **kwargs)
+        return [level if f == "O3" else f for f in cflags], ldflags
+
+    cpp_builder._get_optimization_cflags = flags
+    try:
+        yield
+    finally:
+        cpp_builder._get_optimization_cflags = inner
+
+
 def _inductor_config():
     """How `graph_backend inductor` compiles. emulate_precision_casts: eager's rounding between fused
     ops (a bf16 or fp8 result rounded before the next op reads it); without it the compiled rounds'
@@ -108,7 +136,10 @@ def _inductor_config():
     one-off profile; perf/bench_decode.py has the tokens/s)."""
     from torch._inductor import config
 
-    return config.patch(emulate_precision_casts=True, cpp_wrapper=True)
+    stack = contextlib.ExitStack()  # (entered here: a new one for each compile)
+    stack.enter_context(config.patch(emulate_precision_casts=True, cpp_wrapper=True))
+    stack.enter_context(_cxx_opt(CXX_OPT))
+    return stack
 
 
 def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=None, name: str = "",
@@ -131,7 +162,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
     inner = torch._dynamo.lookup_backend(s.backend)
     kwargs = {"options": {"compiler_args": list(s.compiler_args)}} if s.backend == "neuron_libtorch" else {}
-    backend_config = _inductor_config() if s.backend == "inductor" else contextlib.nullcontext()
+    backend_config = _inductor_config if s.backend == "inductor" else contextlib.nullcontext
     stats = stats if stats is not None else CompileStats()
 
     def checked(gm, example_inputs):
@@ -147,7 +178,7 @@ def compile_step(fn, s: NeuronSettings, stats: CompileStats | None = None, lock=
 
         def compile_now():
             t0 = time.perf_counter()
-            with backend_config:
+            with backend_config():
                 out = inner(gm, example_inputs, **kwargs)
             stats.graphs += 1
             stats.seconds += time.perf_counter() - t0
