@@ -276,8 +276,9 @@ def test_without_a_cpp_compiler_the_cpu_default_serves_eager_steps_and_says_why(
 
 
 def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_wants(tiny_model):
-    """Announced: for the smallest decode bucket, then the largest (one context bound each), the
-    plain-decode round, then the drafting round; a round whose bucket is cold runs in a warm larger one
+    """Announced: for the smallest decode bucket (one context bound each) the plain-decode round, then
+    the drafting round, then the largest bucket's plain-decode round alone (its drafting round, two
+    graphs, when traffic asks for it); a round whose bucket is cold runs in a warm larger one
     and asks for its own; a set a step waits for jumps the queue, one nobody announced joins it (the
     total grows), and a logit-processing variant a server without warm_processed never runs is left out.
     The engine asks for the plain-decode set on a round that steps aside and for the drafting set on a
@@ -295,10 +296,11 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
     assert [(b.rows, b.ctx) for b in r.pgraphs.buckets] == [(16, 96), (32, 96)]
     w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
     b1, b2, b4 = r.buckets
-    assert w.jobs == [("plain", b1, False), ("round", b1, False), ("plain", b4, False), ("round", b4, False)]
+    assert w.jobs == [("plain", b1, False), ("round", b1, False), ("plain", b4, False)]
     r.ready, r.warming = set(), w  # (not started: the queue alone)
     r.counters["warmup_total"] = len(w.jobs)
     assert not r.round_fits(4, 10, plain=False) and list(w._queue)[0] == ("round", b4, False)
+    assert r.counters["warmup_total"] == 4 and w.announced == w.jobs[:3]  # wanted: joins the sets
     assert not r.round_fits(1, 10, plain=True) and list(w._queue)[:2] == [("plain", b1, False), ("round", b4, False)]
     w.want(("prefill", r.pgraphs.buckets[0]))
     assert list(w._queue)[0] == ("prefill", r.pgraphs.buckets[0]) and r.counters["warmup_total"] == 5
@@ -319,7 +321,9 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
 
     # the engine's side: which set each round asks for
     asked = []
-    r.round_fits = lambda seqs, ctx, processed=False, plain=False: asked.append(plain) or False
+    # (what the engine only asks about, muted, is no want: trn2.warmup.StepGate.traffic)
+    r.round_fits = lambda seqs, ctx, processed=False, plain=False: (
+        r.exec_lock.traffic and asked.append(plain)) or False
     eng = Engine(r, Settings(max_num_seqs=4, max_model_len=90, spec_mode="dspark", dspark_adaptive=True,
                              step_cost_online=False, prefix_cache_bytes=0))
     eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 0.010, 2: 0.015})
@@ -337,6 +341,69 @@ def test_the_background_compile_announces_the_rounds_and_compiles_what_traffic_w
         s.ell = 0  # (no drafts left to verify: the round is a plain one)
     eng.step()
     assert asked == [False, False, True]
+
+
+def test_a_round_steps_aside_while_its_drafting_set_compiles(tiny_model):
+    """The largest bucket announces its plain-decode round alone, so a batch of more sequences than a
+    warm drafting set holds meets a cold drafting round: the round steps aside into the warm plain
+    round (padded into the larger bucket) instead of an eager drafting step, after one eager step that
+    verifies the drafts pending; the drafting set is asked for meanwhile. The tokens are plain
+    decoding's (greedy). The step-cost profile taken then times only the drafting rounds a warm set
+    holds (one that is cold would compile in the serving thread) and asks for nothing."""
+    from v4flash_backend.engine.dspark_sched import SPSTable
+    from v4flash_backend.engine.engine import Engine
+    from v4flash_backend.engine.runner import LocalRunner
+    from v4flash_backend.engine.step_cost import StepCost
+    from v4flash_backend.engine.step_profile import StepProfiler
+    from v4flash_backend.trn2.launch import NeuronSettings
+    from v4flash_backend.trn2.static_runner import StaticRunner
+    from v4flash_backend.trn2.warmup import BackgroundWarmup
+
+    r = StaticRunner(tiny_model, 4, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
+    w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
+    b1, b2, b4 = r.buckets
+    r.ready, r.warming = set(w.announced), w  # the announced sets warm (the queue alone)
+    assert ("round", b4, False) not in r.ready and ("plain", b4, False) in r.ready
+    r.counters["warmup_total"] = len(w.jobs)
+    settings = Settings(max_num_seqs=4, max_model_len=90, spec_mode="dspark", dspark_adaptive=True,
+                        step_cost_online=False, prefix_cache_bytes=0)
+    eng = Engine(r, settings)
+    eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 0.010, 2: 0.015})
+    eng._expected_survivals = lambda s: [1.0] * eng.gamma  # drafting pays
+    prompts = ([0, 5, 6, 7], [0, 9, 4, 2, 8])
+    reqs = [GenerateRequest(prompt=p, max_tokens=10, ignore_eos=True) for p in prompts]
+    events = {q.id: [] for q in reqs}
+    for q in reqs:
+        q.callback = lambda ev, i=q.id: events[i].append(ev)
+        eng.submit(q)
+    kinds = []
+
+    def counts():
+        return r.counters["plain_decode_rounds"], eng.decode_totals["static_fallback_steps"]
+
+    while eng.running or eng.waiting:
+        before = counts()
+        eng.step()
+        kinds.append(tuple(a - b for a, b in zip(counts(), before)))
+    # the prefill, one eager step verifying the first blocks, then plain rounds only
+    assert kinds[1] == (0, 1) and all(k == (1, 0) for k in kinds[2:]) and len(kinds) >= 5, kinds
+    assert ("round", b2, False) in w.jobs and ("plain", b2, False) in w.jobs  # both asked for meanwhile
+    ref = Engine(LocalRunner(tiny_model, 4, 96), Settings(max_num_seqs=4, max_model_len=90, spec_mode="off"))
+    for q, p in zip(reqs, prompts):
+        want = ref.run_request(GenerateRequest(prompt=p, max_tokens=10, ignore_eos=True))
+        assert [t for e in events[q.id] for t in e.token_ids] == [t for e in want for t in e.token_ids]
+
+    # the profile: drafting rounds timed for 1 sequence only, nothing asked for, past it priced per sequence
+    w.jobs[:] = list(w.announced)
+    w._queue.clear()
+    runs = []
+    decode_round = r.decode_round
+    r.decode_round = lambda plan: runs.append((plan.size, plan.spec_mode)) or decode_round(plan)
+    cost = StepProfiler(r, settings, eng.gamma)._static_cost([1, 2, 4, 8, 16, 24], r.state.num_slots - 1)
+    assert {m for S, m in runs if S > 1} == {"off"} and (1, "dspark") in runs
+    assert w.jobs == w.announced and not w._queue
+    d = cost.draft_seconds
+    assert d[1] > 0 and d[4] == pytest.approx(4 * d[1]) and d[3] == pytest.approx(3 * d[1])
 
 
 def test_the_start_up_request_asks_the_compile_for_nothing(tiny_model):
@@ -506,7 +573,7 @@ def test_the_compile_thread_takes_the_set_its_helper_reported_first(tiny_model):
 
     r = StaticRunner(tiny_model, 2, 96, settings=NeuronSettings(backend="none"), prefill_rows=32, ctx_buckets=False)
     w = BackgroundWarmup(r, "dspark", 0, 8, processed=False, nodraft=True)
-    plain1, round1, plain2, round2 = w.jobs
+    plain1, round1, plain2 = w.jobs
 
     class Helper:  # the helper reports round1 (wanted by a step), nothing else
         exited, wants = False, []
@@ -521,7 +588,7 @@ def test_the_compile_thread_takes_the_set_its_helper_reported_first(tiny_model):
     job = w._next()
     assert job == plain1
     assert w._helper_first(job) == round1 and w._current == round1
-    assert list(w._queue) == [plain1, plain2, round2] and w.helper.wants == [plain1]
+    assert list(w._queue) == [plain1, plain2] and w.helper.wants == [plain1]
     w.helper.exited = True  # a helper gone: the thread's own set, compiled here
     w.helper.first_reported = lambda keys, timeout: None
     assert w._helper_first(w._next()) == plain1

@@ -129,8 +129,9 @@ class Settings:
         "", "when a static server compiles its graphs: start (every bucket before it reports ready) or "
         "background (ready at once: eager steps serve while a thread compiles graph sets that take over as "
         "they get warm -- the smallest decode bucket's plain-decode round, then its drafting round, then the "
-        "largest bucket's; the buckets between, logit-processing rounds, forward and prefill graphs when a "
-        "step first needs them; one rank only); empty: background on a one-rank CPU server whose "
+        "largest bucket's plain-decode round; the other drafting rounds, the buckets between, "
+        "logit-processing rounds, forward and prefill graphs when a step first needs them; one rank only); "
+        "empty: background on a one-rank CPU server whose "
         "graph_backend compiles, else start", scope="group",
         choices=GRAPH_WARMUPS)
     resident_device: str = setting(

@@ -308,6 +308,13 @@ class Engine(EngineStats, AdaptivePolicy, LogitProcessing, EagerStep, StaticRoun
         if self.running and not any(s.prefilling for s in self.running):
             decision = self._drafting_decision(list(self.running)) if self.spec else "draft"
         self._ran_static = self._static_ok(decision or "draft")
+        if not self._ran_static and decision in ("draft", "probe") and self._plain_would_fit():
+            # the drafting round's graphs are still compiling (trn2.warmup: the largest bucket announces
+            # its plain-decode round alone) while a plain-decode graph takes the round: a compiled plain
+            # round beats an eager drafting step several times over, so the round steps aside (the
+            # drafting set was asked for above); drafts still pending are verified by one eager step
+            decision = "skip"
+            self._ran_static = self._static_ok(decision)
         if self._ran_static:
             return self._step_static(decision)
         before = dict(self.runner.counters)

@@ -4,6 +4,7 @@ A mixin of `Engine`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -21,22 +22,44 @@ def filters(seqs: list[Seq], vocab: int) -> bool:
                             [s.req.top_p for s in seqs], vocab)
 
 
+@contextlib.contextmanager
+def asking_nothing(runner):
+    """The runner's `round_fits` answers without asking a background compile for the set it lacks
+    (trn2.warmup.StepGate.traffic): a question, not the round that runs."""
+    gate = runner.exec_lock
+    traffic = getattr(gate, "traffic", None)
+    if traffic is None:
+        yield
+        return
+    gate.traffic = False
+    try:
+        yield
+    finally:
+        gate.traffic = traffic
+
+
 class StaticRoundStep:
-    def _static_ok(self, decision: str = "draft") -> bool:
+    def _static_ok(self, decision: str = "draft", drafts_aside: bool = False) -> bool:
         """A step runs as a static decode round when every running request decodes (no prefill
         rows) and the runner has a bucket for it whose graphs are warm: the plain-decode graph for a
         round that neither verifies a draft nor drafts (`decision` skip, or no speculation), else the
-        drafting round's graphs (a background compile warms them apart: trn2.warmup)."""
+        drafting round's graphs (a background compile warms them apart: trn2.warmup). drafts_aside:
+        as if no request had a draft to verify (would the plain-decode graph take the round?)."""
         r = self.runner
         if not r.static_rounds or not self.running or any(s.prefilling for s in self.running):
             return False
         if any(len(x) > STOP_WIDTH for x in self._stop_lists(self.running)):
             return False
-        plain = (decision == "skip" or not self.spec) and not any(s.ell for s in self.running)
+        plain = (decision == "skip" or not self.spec) and (drafts_aside or not any(s.ell for s in self.running))
         # min_tokens, penalties, log-probs and top-k / top-p filters run in the rounds' processed variant
         # (static_round; the plain one samples without the filters), whose graphs may still be compiling
         return r.round_fits(len(self.running), max(s.n_cached + 1 + s.ell for s in self.running),
                             self._round_processed(self.running), plain=plain)
+
+    def _plain_would_fit(self) -> bool:
+        """Would the plain-decode graph take this round were no draft pending? (asks for no set)"""
+        with asking_nothing(self.runner):
+            return self._static_ok("skip", drafts_aside=True)
 
     def _round_processed(self, seqs: list[Seq]) -> bool:
         """Does the round run the processed variant (min_tokens, penalties, log-probs, filters)?"""

@@ -20,6 +20,7 @@ from v4flash_backend.settings import Settings
 from . import dspark_accept as acc
 from .dspark_sched import SPSTable, admit
 from .noise import STREAM_DRAFT, CounterSampler
+from .round_step import asking_nothing
 from .sampling import SamplingParams
 from .step_cost import StepCost, fit_seq_model, interleaved_medians, round_seconds_by_tokens
 
@@ -105,7 +106,13 @@ class StepProfiler:
         round), interleaved rounds, medians -- twice: the round that steps aside (graph 1 alone:
         verify + acceptance) gives t_forward, the full round (+ graph 2: rings, draft stages,
         Markov drafting, confidence, admission) minus it gives the draft seconds of R requests
-        (R's bucket), so `drafting_pays` compares a stepped-aside round with a drafting one."""
+        (R's bucket), so `drafting_pays` compares a stepped-aside round with a drafting one.
+
+        While graphs compile in the background (trn2.warmup) a drafting round of more sequences than
+        a warm drafting set holds is not timed (it would compile in this thread); its draft seconds
+        are the largest timed bucket's per sequence times R: the draft graph's work per sequence
+        does not grow with R, so drafting is priced no cheaper there than measured. The profile's
+        rounds ask the compile for nothing (they are not traffic: `StepGate.traffic`)."""
         Q = 1 + self.gamma
         N = self.settings.max_num_seqs
         timed = sorted({min(1 << (S - 1).bit_length(), N) for S in range(1, N + 1)})  # the sequence buckets
@@ -118,15 +125,24 @@ class StepProfiler:
                 len_left=[0] * S, stop_ids=[[-1] * STOP_WIDTH] * S, spec_mode=mode, fixed_len=0,
                 sps=None))
 
-        both = [(S, m) for S in timed for m in ("off", self.settings.spec_mode)]  # interleaved: aside and full
+        spec = self.settings.spec_mode
+        drafted = [S for S in timed if self._drafting_warm(S)] or timed
+        both = [(S, m) for S in timed for m in ("off", spec) if m == "off" or S in drafted]  # interleaved
         med = self._medians(lambda i: round_(*both[i]), range(len(both)))
         bucket = {S: min(t for t in timed if t >= S) for S in seqs}
         alone = {S: med[both.index((bucket[S], "off"))] for S in seqs}
-        full = {S: med[both.index((bucket[S], self.settings.spec_mode))] for S in seqs}
+        full = {S: med[both.index((bucket[S], spec))] for S in seqs if bucket[S] in drafted}
         fwd_s = round_seconds_by_tokens(sizes, Q, alone)
-        draft_s = {S: max(full[S] - alone[S], 0.0) for S in range(1, N + 1)}
+        top = max(drafted)
+        per_seq = max(full[top] - alone[top], 0.0) / top  # (past the drafted buckets: docstring)
+        draft_s = {S: max(full[S] - alone[S], 0.0) if S in full else per_seq * S for S in range(1, N + 1)}
         self.runner.reset_slot(scratch)
         return StepCost(SPSTable(sorted(fwd_s), [1.0 / fwd_s[b] for b in sorted(fwd_s)]), draft_s, [])
+
+    def _drafting_warm(self, S: int) -> bool:
+        """Whether a drafting round of S sequences has warm graphs, asking the compile for nothing."""
+        with asking_nothing(self.runner):
+            return self.runner.round_fits(S, 1, False, plain=False)
 
     def save(self, cost: StepCost) -> None:
         """The profile to sps_path or the state directory (`Settings.sps_file`), never elsewhere:

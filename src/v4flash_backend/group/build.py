@@ -97,7 +97,8 @@ def build_runner(model, settings: Settings, rank: int = 0, progress=sys.stderr, 
             return runner
         runner.warming.start()
         _log(rank, f"static decode graphs ({ns.backend}): compiling {len(runner.warming.jobs)} graph sets in the "
-                   "background (the smallest and the largest bucket's rounds; the rest as traffic needs them"
+                   "background (the smallest bucket's rounds, the largest's plain-decode round; the rest as "
+                   "traffic needs them"
                    f"{'; a helper process compiles each first' if runner.warming.helper else ''}); eager "
                    "steps serve until a set is warm")
         return runner

@@ -174,18 +174,26 @@ class BackgroundWarmup:
         plain = nodraft and runner.ngraphs is not None  # rounds that neither verify nor draft: their own graph
         drafting = mode != "off" or runner.ngraphs is None
         # the announced graph sets, compiled in this order (each usable once warm): for the fewest
-        # sequences, then for the most, the plain-decode round (one graph: what a round runs that steps
-        # aside or does not speculate; the first set a fresh server gets warm) and the drafting round
-        # (its verify and draft graphs). Once the largest bucket's sets are warm every batch has a
-        # compiled round: one whose own bucket is not warm yet runs padded in it (`round_fits`) and
-        # asks for its own. So the buckets between, the logit-processing variants, the forward graphs
-        # (short segments of mixed steps) and the prefill buckets compile when a step first needs them
-        # (`want`): a cold graph takes minutes on a few cores (~3 on this project's 2-core machine),
-        # and a server that never sees 3 sequences at once, a penalty, a log-prob request or a prompt
-        # of some length never pays for those graphs.
-        ends = {decode[0].seqs, decode[-1].seqs}
-        self.jobs = [k for b in decode if b.seqs in ends for k in ([("plain", b, False)] if plain else [])
+        # sequences the plain-decode round (one graph: what a round runs that steps aside or does not
+        # speculate; the first set a fresh server gets warm) and the drafting round (its verify and
+        # draft graphs); for the most, its plain-decode round alone. Once that one is warm every batch
+        # has a compiled round: one whose own bucket is not warm yet runs padded in it (`round_fits`)
+        # and asks for its own; a round that would draft while its drafting set compiles steps aside
+        # into it (Engine._run_step: a compiled plain round beats an eager drafting step several times
+        # over). The largest bucket's drafting round (two graphs: the one-sequence one's took 600.9 s of
+        # the compile helper on a 2-core AMD EPYC, the plain-decode round's 284.4 s) waits
+        # for traffic: on the CPU drafting at 8 sequences does not pay (docs/performance.md), and a
+        # server that never sees them never pays for it. So the buckets between, the drafting rounds
+        # of more than one sequence, the logit-processing variants, the forward graphs (short segments
+        # of mixed steps) and the prefill buckets compile when a step first needs them (`want`): a
+        # cold graph takes minutes on a few cores (~3-5 on this project's 2-core machines), and a server
+        # that never sees 3 sequences at once, a penalty, a log-prob request or a prompt of some length
+        # never pays for those graphs.
+        first = [b for b in decode if b.seqs == decode[0].seqs]
+        last = [b for b in decode if b.seqs == decode[-1].seqs and b.seqs != decode[0].seqs]
+        self.jobs = [k for b in first for k in ([("plain", b, False)] if plain else [])
                      + ([("round", b, False)] if drafting else [])]
+        self.jobs += [("plain", b, False) if plain else ("round", b, False) for b in last]
         self.announced = list(self.jobs)
         self._queue: deque = deque(self.jobs)
         self._cv = threading.Condition()
