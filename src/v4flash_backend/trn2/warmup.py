@@ -7,12 +7,12 @@ serving thread runs eager steps (the op-by-op forward on the same caches: the sa
 the exact numerics) while a thread compiles in sets that take over one by one once warm
 (`StaticRunner.ready`, read by `round_fits` and `forward_plan`): the announced sets, the plain-decode
 round (one graph) and the drafting round (two) of the smallest decode bucket (one sequence: what a
-first user sends), then of the largest (a batch whose own bucket is cold runs padded in it); the other
-sets -- the buckets between, logit-processing variants, forward graphs, prefill buckets -- when a step
-first needs one, and a set a step waits for goes to the front of the queue (`want`; not the steps of
-the server's start-up request, which is no traffic: `StepGate.traffic`). A server's
-background compile takes one context bucket per sequence count (group/build.py: every context bound
-its own graphs tripled the count).
+first user sends), then the largest bucket's plain-decode round (a batch whose own bucket is cold runs
+padded in it); the other sets -- the drafting rounds of more sequences, the buckets between,
+logit-processing variants, forward graphs, prefill buckets -- when a step first needs one, and a
+set a step waits for goes to the front of the queue (`want`; not the steps of the server's start-up
+request, which is no traffic: `StepGate.traffic`). A server's background compile takes one context
+bucket per sequence count (group/build.py: every context bound its own graphs tripled the count).
 
 What keeps the two threads apart:
 - the compiled graphs run under the runner's `graph_lock` (compile_step's `lock`), which the engine
