@@ -691,8 +691,8 @@ class FakeGroup:
         cls.launched.append((settings, kw, g))
         return g
 
-    def submit(self, prompt, params, request_id=None, callback=None):
-        self.submitted.append((prompt, params, request_id, callback))
+    def submit(self, prompt, params, request_id=None, callback=None, warmup=False):
+        self.submitted.append((prompt, params, request_id, callback, warmup))
 
         class Done:
             @staticmethod
@@ -728,10 +728,11 @@ def test_rank_group_engine_launches_warms_up_forwards_and_restarts(monkeypatch):
             str(GOLDEN), 2, 3, 77)
         wire = Settings.from_json(launched.to_json())  # what the workers receive
         assert wire.spec_mode == "off" and wire.sps_path == "/tmp/sps.json"
-        assert first.submitted[0][1] == {"max_tokens": 2, "ignore_eos": True}  # the warm-up request
+        # the warm-up request, marked as the start-up request (it asks a background compile for nothing)
+        assert first.submitted[0][1] == {"max_tokens": 2, "ignore_eos": True} and first.submitted[0][4] is True
         req = GenerateRequest(prompt=[0, 7], max_tokens=5, seed=3, stop_token_ids=(9,))
         backend.submit(req, "r1", print)
-        assert first.submitted[1][:3] == ([0, 7], req.sampling(), "r1")
+        assert first.submitted[1][:3] == ([0, 7], req.sampling(), "r1") and first.submitted[1][4] is False
         assert backend.stats()["slots_in_use"] == 2
         first.alive, first.failure = False, "rank 1 died"  # the group goes down
         assert wait_until(lambda: backend.restarts > 0)
