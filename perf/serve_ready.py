@@ -16,8 +16,9 @@ next ones restart with what it cached. One line a start:
   serve-ready: start=<k> ready_s=<x> first_rounds_warm_s=<y> all_warm_s=<z> sets=<n>
 
 and before it, from the rank group's log (read before the server stops), a line per set that got
-warm, in order: the seconds since the compile began, the set's own seconds on the server's thread
-(from the cache once the compile helper compiled it) and the helper's seconds compiling it cold:
+warm, in order: the seconds since the compile began, the seconds the server's thread spent on the set
+(waiting for the compile helper's report, then loading it from inductor's cache) and the helper's
+seconds compiling it cold:
 
   serve-ready-set: start=<k> n=<i>/<total> at_s=<t> server_s=<s> helper_s=<h|none> set=<name>
 """
