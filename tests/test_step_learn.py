@@ -421,3 +421,42 @@ def test_guard_floor_is_the_same_admission_on_eager_steps_and_static_rounds(tiny
     assert sblocks == eblocks
     chosen = [(ell, left) for adm, ell, left in eblocks if adm == "admit"]
     assert chosen and all(ell >= min(2, left - 1) for ell, left in chosen), chosen
+
+
+def test_held_steps_change_nothing_a_reader_sees():
+    """observe holds a step whose cell has its floor (`_pending`) and takes it later: a learner
+    that takes every step at once (the reference, `_take` directly) must agree with it after every
+    step -- the version (the views' and the stepping-aside verdict's key), and, read at irregular
+    points, the learned t_step, `measured` and the stats -- over steps of several cells, bursts
+    (winsorised) and invalid samples. And the holding must happen (else the host work it saves is
+    not saved): some steps are held."""
+    prior = prior_off()
+
+    class AtOnce(StepCostLearner):
+        def observe(self, path, B, S, R, seconds, prior, sampled=False):
+            self._take(path, B, S, R, seconds, prior, sampled)
+
+    g = torch.Generator().manual_seed(5)
+    held, ref = StepCostLearner(window=16, floor=8), AtOnce(window=16, floor=8)
+    most_held = 0
+    for i in range(600):
+        B = int(torch.randint(1, 13, (1,), generator=g))
+        R = int(torch.randint(0, 2, (1,), generator=g)) * (1 if i % 5 else 0)
+        burst = 3.0 if i % 37 == 0 else 1.0
+        secs = -1.0 if i % 91 == 0 else burst * true_step(B, R) * (1 + 0.05 * float(torch.rand(1, generator=g)))
+        sampled = i % 3 == 0
+        for lr in (held, ref):
+            lr.observe("static", B, 1, R, secs, prior, sampled)
+        most_held = max(most_held, len(held._pending))
+        assert held.version == ref.version, i
+        if i % 13 == 0:
+            for smp in (False, True):
+                a, b = held.view(prior, "static", 6, smp), ref.view(prior, "static", 6, smp)
+                assert [float(a.t_step(x, 1, r)) for x in (1, 6, 12) for r in (0, 1)] == \
+                    [float(b.t_step(x, 1, r)) for x in (1, 6, 12) for r in (0, 1)], i
+            assert [held.measured("static", x, d) for x in range(1, 13) for d in (False, True)] == \
+                [ref.measured("static", x, d) for x in range(1, 13) for d in (False, True)]
+        if i % 97 == 0:
+            assert held.stats() == ref.stats(), i
+    assert held.stats() == ref.stats()
+    assert most_held >= 5  # steps were held (at most REFRESH - 1 at once)
