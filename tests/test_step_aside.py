@@ -106,6 +106,48 @@ def test_the_stepping_aside_verdict_is_priced_once_while_its_inputs_stand(tiny_m
     seqs = [Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=8), slot=0, tokens=[0, 1])]
     assert [eng._drafting_decision(seqs) for _ in range(20)] == ["skip"] * 20 and len(calls) == 2
     eng._expected_survivals = lambda s: [1.0] * eng.gamma  # every draft accepted: priced again, and it pays
+    seqs[0].last_c = [0.5] * eng.gamma
+    eng._observe_block(seqs[0], 0)  # (the request's evidence moved: a verified block)
     assert eng._drafting_decision(seqs) == "draft" and len(calls) == 3
     eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 1.0})  # a new cost: priced again (drafts 1 s)
     assert eng._drafting_decision(seqs) == "skip" and len(calls) == 4
+
+
+def test_a_step_aside_decides_again_only_when_the_verdicts_inputs_move(tiny_model):
+    """While the verdict's inputs stand still a step aside prices nothing (no survivals, no step
+    cost); each input moving decides again: the regime's observed acceptance (the calibration's
+    blocks), the request's own evidence (a verified block), its age in whole blocks, the learner's
+    version, the step cost. Leaving any of them out of `_aside_inputs` fails here; the regime's
+    acceptance turning good must also turn the verdict (real survivals, not stand-ins)."""
+    eng = Engine(LocalRunner(tiny_model, 3, 64), Settings(
+        max_num_seqs=2, max_model_len=64, spec_mode="dspark", dspark_adaptive=True, step_cost_online=True,
+        prefix_cache_bytes=0, probe_max_every=64))
+    eng.cost = COST
+    eng._probe_floor = lambda R: 10 ** 6
+    G = eng.gamma
+    for _ in range(16):  # the greedy regime's blocks: the first draft rejected every time
+        eng.calib.observe("greedy", torch.zeros(G), G, 0)
+    priced = []
+    real = eng._expected_survivals
+    eng._expected_survivals = lambda s: (priced.append(1), real(s))[1]
+    s = Seq(req=GenerateRequest(prompt=[0, 1], max_tokens=40), slot=0, tokens=[0, 1])
+    seqs = [s]
+
+    def decide(n: int) -> tuple[list[str], int]:
+        before = len(priced)
+        return [eng._drafting_decision(seqs) for _ in range(n)], len(priced) - before
+
+    assert decide(1) == (["skip"], 1)  # under way
+    s.last_c = [0.5] * G
+    eng._observe_block(s, 0)  # the request's own evidence: a verified block (nothing else moved)
+    assert decide(1) == (["skip"], 1)
+    assert decide(1) == (["skip"], 1)  # resuming after a step aside is priced apart
+    assert decide(G - 1) == (["skip"] * (G - 1), 0)  # nothing moved: the same whole-block age
+    assert decide(1) == (["skip"], 1)  # its evidence one block older
+    eng.learner.version += 1  # the learner refreshed (its view is a new cost)
+    assert decide(1) == (["skip"], 1)
+    eng.cost = StepCost(SPSTable([1, 2, 4, 8], [25.0] * 4), {1: 0.010, 2: 0.015})  # a new profile
+    assert decide(1) == (["skip"], 1)
+    for _ in range(400):  # the regime's blocks now accepted in full: decided again, and drafting pays
+        eng.calib.observe("greedy", torch.zeros(G), G, G)
+    assert decide(1) == (["draft"], 1)

@@ -35,6 +35,9 @@ class AdaptivePolicy:
         # every step aside until the floor is, and its four step-cost lookups were the decision's
         # largest host cost there; the learned cost is one object until the learner refreshes
         self._floor_memo = None
+        # [inputs, objects, probe floor] of the last verdict to step aside (`_aside_inputs`): while the
+        # inputs stand still the verdict does, and a step aside decides without pricing anything
+        self._aside = None
 
     def _load_calibration(self) -> Calibration:
         if self.settings.calibration_path:
@@ -46,16 +49,30 @@ class AdaptivePolicy:
         acceptances observed in earlier steps, never this step's draws."""
         if self.settings.spec_mode != "dspark" or not self.adaptive:
             return "draft"
-        surv = [self._expected_survivals(s) for s in seqs]
-        if self._pays(self.ensure_cost(), surv, self._resume_blocks(seqs)):
-            self._skipped = 0
-            self._probe_gap = self.settings.probe_every
-            return "draft"
+        resume = self._resume_blocks(seqs)
+        inputs = self._aside_inputs(seqs, resume)
+        aside = self._aside
+        if aside is None or aside[0] != inputs:
+            surv = [self._expected_survivals(s) for s in seqs]
+            if self._pays(self.ensure_cost(), surv, resume):
+                self._aside = None
+                self._skipped = 0
+                self._probe_gap = self.settings.probe_every
+                return "draft"
+            # (the objects the inputs name by id stay referenced, so no new object takes their id)
+            aside = self._aside = [inputs, (self.cost, self.learner, self.calib), None]
         self._skipped += 1
         for s in seqs:  # their evidence ages while they step aside (_expected_survivals)
             s.aside += 1
-        # (the floor is priced only once the gap is reached: most steps aside stop at the first test)
-        if self._skipped >= self._probe_gap and self._skipped >= self._probe_floor(len(seqs)):
+        # (the floor is priced only once the gap is reached: most steps aside stop at the first test;
+        # it is the same while the verdict's inputs are, the step cost among them)
+        if self._skipped >= self._probe_gap:
+            if aside[2] is None:
+                aside[2] = self._probe_floor(len(seqs))
+            probe = self._skipped >= aside[2]
+        else:
+            probe = False
+        if probe:
             # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
             # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
             # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
@@ -67,6 +84,21 @@ class AdaptivePolicy:
             self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
             return "probe"
         return "skip"
+
+    def _aside_inputs(self, seqs: list[Seq], resume: int) -> tuple:
+        """What the verdict to step aside is decided from, in a form that is cheap to compare: the
+        step cost (the engine's profile and the learner's version; the regime of the step follows
+        from the requests), the regimes' observed acceptance (the calibrator's count of blocks), the
+        blocks a resumption is priced over, and per request its id, its verified blocks and the age
+        of that evidence in whole blocks (`_age`). Why: deciding again every step aside -- survivals,
+        the learned cost, the floor -- was ~45 us of host work a compiled plain round does not do
+        (a 5.7 ms round at batch 1 on an AMD EPYC, the decision stubbed out in a diagnostic outside
+        the repo: ~0.8 %); these inputs move once a block's worth of steps or when the learner
+        refreshes."""
+        G1 = 1 + self.gamma
+        learner = self.learner
+        return (id(self.cost), id(learner), learner.version, id(self.calib), self.calib.counted, resume,
+                [(s.req.id, s.ev_blocks, s.aside // G1) for s in seqs])
 
     def _pays(self, cost, surv: list[list[float]], resume: int = 0) -> bool:
         """`drafting_pays`, memoized on its inputs: while speculation steps aside they stay the same
@@ -231,6 +263,7 @@ class AdaptivePolicy:
             w = self._age(s)
             s.ev_trials, s.ev_hits = [w * n for n in s.ev_trials], [w * h for h in s.ev_hits]
         s.aside = 0
+        s.ev_blocks += 1
         lam = self.EVIDENCE_DECAY
         reach = 1.0
         for k in range(G):

@@ -350,9 +350,11 @@ class OnlineCalibrator:
         # and those of them that accepted k (the counts acceptance_rates reads)
         self._trials = {r: [0] * G for r in REGIMES}
         self._hits = {r: [0] * G for r in REGIMES}
+        self.counted = 0  # blocks that moved those counts: acceptance_rates is unchanged while it is
 
     def _count(self, reg: str, admitted: int, accepted: int, sign: int) -> None:
         trials, hits = self._trials[reg], self._hits[reg]
+        self.counted += 1
         for k in range(min(admitted, accepted + 1, len(trials))):  # admitted > k and accepted >= k
             trials[k] += sign
             hits[k] += sign * (accepted > k)

@@ -79,6 +79,7 @@ class Seq:
     # its verified blocks, unverified positions counted in expectation (see Engine._observe_block)
     ev_trials: list[float] | None = None
     ev_hits: list[float] | None = None
+    ev_blocks: int = 0  # verified blocks in that evidence (the stepping-aside verdict's inputs: adaptive)
     aside: int = 0  # steps stepped aside since its last verified block (they age that evidence: adaptive)
     ell: int = 0  # drafts admitted for the next verify
     adm: str = ""  # how ell was chosen: admit | probe | explore | fixed (the fixed-length guard reads it)
