@@ -118,6 +118,33 @@ def test_bench_dspark_splits_each_mode_by_step_kind():
     assert cell and float(cell.group(1)) > 0
 
 
+# ---- perf/aside_cost.py: a stepped-aside round's host work over a plain one ----------------------
+@pytest.mark.slow
+def test_aside_cost_times_the_host_work_around_each_round():
+    """perf/aside_cost.py on the op-by-op runner (2 held-out prompts, 6 tokens, T = 1, ~30 s): plain
+    decoding's counted steps are all its decode steps (a request's first token comes from its
+    prefill: 5 decode steps each); DSpark's only steps aside with nothing to verify, so no more than
+    its steps aside; each has host and round seconds."""
+    import ast
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "perf" / "aside_cost.py"), "--backend", "eager", "--rounds", "1",
+                          "--num-prompts", "2", "--max-tokens", "6"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("aside-cost: "):
+            f = dict(kv.split("=") for kv in line.split() if "=" in kv)
+            rows[f["mode"]] = f
+    assert set(rows) == {"plain", "dspark"}, out
+    assert int(rows["plain"]["steps"]) == 2 * 5
+    assert float(rows["plain"]["host_s"]) > 0 and float(rows["plain"]["round_s"]) > 0
+    totals = ast.literal_eval(out.split("dspark totals: ", 1)[1].splitlines()[0])
+    # its steps aside: draft_skipped counts those after which the request runs on, + each one's last step
+    assert 0 <= int(rows["dspark"]["steps"]) <= totals["draft_skipped"] + 2
+
+
 # ---- perf/serve_ready.py: where the background compile's time went -----------------------------
 def test_serve_ready_reads_each_set_from_the_compile_log(tiny_model, tmp_path):
     """perf/serve_ready.py's serve-ready-set lines come from the rank group's log: the server thread's
