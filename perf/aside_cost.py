@@ -26,7 +26,6 @@ and then the difference of the host medians, and as a share of plain's median ro
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -97,12 +96,7 @@ def quartiles(x: list[float]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, default=None)
-    ap.add_argument("--prompts", type=Path, default=None, help="JSON list of prompt strings")
-    ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts when --prompts is not given")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = bd.prompt_args(__doc__)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--temp", type=float, default=1.0)
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))

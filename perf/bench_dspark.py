@@ -310,13 +310,20 @@ def fmt(values: list[float]) -> str:
     return f"{statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prompt_args(doc: str) -> argparse.ArgumentParser:
+    """A parser with the options of a bench over prompts (this one, perf/aside_cost.py): the
+    checkpoint, the prompts, the tokens a request and the rounds."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--prompts", type=Path, default=None, help="JSON list of prompt strings")
     ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts when --prompts is not given")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = prompt_args(__doc__)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
