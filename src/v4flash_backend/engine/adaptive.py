@@ -32,8 +32,9 @@ class AdaptivePolicy:
         self._probe_gap = self.settings.probe_every  # steps aside before the next probe (see _drafting_decision)
         self._pays_memo = None  # ((cost, survivals, resume blocks), verdict) of the last `_pays`
         # (cost, R, floor) of the last `_probe_floor`: once the probe gap is reached it is asked
-        # every step aside until the floor is, and its four step-cost lookups were the decision's
-        # largest host cost there; the learned cost is one object until the learner refreshes
+        # again whenever the verdict's inputs move (`_aside`: a block's worth of steps), and its four
+        # step-cost lookups were the decision's largest host cost; the learned cost is one object
+        # until the learner refreshes
         self._floor_memo = None
         # [inputs, objects, probe floor] of the last verdict to step aside (`_aside_inputs`): while the
         # inputs stand still the verdict does, and a step aside decides without pricing anything
@@ -69,20 +70,18 @@ class AdaptivePolicy:
         if self._skipped >= self._probe_gap:
             if aside[2] is None:
                 aside[2] = self._probe_floor(len(seqs))
-            probe = self._skipped >= aside[2]
-        else:
-            probe = False
-        if probe:
-            # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
-            # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
-            # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
-            # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
-            # still seen within probe_max_every steps. On the compiled path a probe and the round
-            # that verifies it cost ~4 plain rounds over two plain ones (perf/round_profile.py), so
-            # the floor (_probe_floor), not this back-off, sets the gap there
-            self._skipped = 0
-            self._probe_gap = max(self.settings.probe_every, min(2 * self._probe_gap, self.settings.probe_max_every))
-            return "probe"
+            if self._skipped >= aside[2]:
+                # back-off: a probe that leaves speculation aside doubles the gap to the next one (up to
+                # probe_max_every). Where drafts keep failing (T = 1 on the embedded model) a probe's
+                # draft stages cost ~20 ms against a ~47 ms plain step (cProfile of a batch-1 run), so a
+                # fixed gap of 16 paid ~3 % (an estimate from those two times); a workload change is
+                # still seen within probe_max_every steps. On the compiled path a probe and the round
+                # that verifies it cost ~4 plain rounds over two plain ones (perf/round_profile.py), so
+                # the floor (_probe_floor), not this back-off, sets the gap there
+                self._skipped = 0
+                st = self.settings
+                self._probe_gap = max(st.probe_every, min(2 * self._probe_gap, st.probe_max_every))
+                return "probe"
         return "skip"
 
     def _aside_inputs(self, seqs: list[Seq], resume: int) -> tuple:

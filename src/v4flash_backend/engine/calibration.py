@@ -350,7 +350,7 @@ class OnlineCalibrator:
         # and those of them that accepted k (the counts acceptance_rates reads)
         self._trials = {r: [0] * G for r in REGIMES}
         self._hits = {r: [0] * G for r in REGIMES}
-        self.counted = 0  # blocks that moved those counts: acceptance_rates is unchanged while it is
+        self.counted = 0  # moves whenever those counts do: acceptance_rates is unchanged while it stands
 
     def _count(self, reg: str, admitted: int, accepted: int, sign: int) -> None:
         trials, hits = self._trials[reg], self._hits[reg]
